@@ -1,0 +1,35 @@
+# Set-up is part of every target: a fresh clone needs only `make run` or `make test`.
+# torch is pinned to the 2.13.0 CPU build, which installs offline on CPU machines; on a GPU
+# machine run `make venv TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`
+# (or install your CUDA build of torch into .venv first) and the pin is satisfied as is.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: venv run test lint pytest clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	touch $(STAMP)
+
+run: venv
+	$(BIN)/python recipes/train.py $(ARGS)
+
+lint: venv
+	$(BIN)/ruff check src tests recipes
+	$(BIN)/mypy
+
+pytest: venv
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test: lint pytest
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .mypy_cache .ruff_cache

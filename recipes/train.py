@@ -1,0 +1,34 @@
+"""Train an MoE transformer: ``python recipes/train.py [hydra overrides]``.
+
+Config: ``conf/train.yaml`` (groups model, data, parallel, hardware, trainer; top-level
+``api`` and ``out_dir``). Writes ``final_state.pt``, ``metrics.json`` and ``training.png``
+to ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import hydra
+from omegaconf import DictConfig
+
+from lightning_moe_ckpt.training import run_training
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    """Hydra entry point."""
+    metrics = run_training(cfg)
+    losses = metrics["loss"]
+    summary = {
+        "out_dir": cfg.out_dir,
+        "steps": metrics["steps"],
+        "loss_first": round(losses[0], 4),
+        "loss_last": round(losses[-1], 4),
+        "val": metrics["validation"][-1] if metrics["validation"] else None,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

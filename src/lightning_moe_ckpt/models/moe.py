@@ -1,0 +1,149 @@
+"""MoE feed-forward layer: router, separately freezable experts, optional shared experts.
+
+Each routed expert is its own module under ``experts.<global id>`` so that it can be
+frozen on its own and so that its name does not change when expert parallelism keeps
+only a contiguous block of experts on a rank. Token dispatch is sort-based (torchtitan
+style): assignments are grouped by expert, each expert runs once on its slice, and the
+outputs are scattered back and combined over the k slots in a fixed order, so the result
+does not depend on how experts are placed.
+
+Capacity (``capacity_factor``) is applied per sequence: each expert accepts at most
+``ceil(cf * S * k / E)`` assignments of a sequence, first choices of every token before
+second choices. Dropped assignments contribute nothing and the token passes through the
+residual. Per-sequence capacity makes dropping independent of micro-batching and of
+data/expert parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_moe_ckpt.models.router import TopKRouter
+
+
+class Expert(nn.Module):
+    """SwiGLU feed-forward network: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the layer output whose backward also seeds ``d aux / d aux = coef``.
+
+    This injects the load-balancing gradient inside the layer's own backward (as
+    Megatron's aux-loss scaler does), so it works unchanged when the model is split into
+    pipeline stages whose loss only exists on the last stage.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor, coef: float) -> Any:
+        ctx.coef = coef
+        ctx.aux_shape = aux_loss.shape
+        ctx.aux_dtype = aux_loss.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        aux_grad = torch.full(ctx.aux_shape, ctx.coef, dtype=ctx.aux_dtype,
+                              device=grad_output.device)
+        return grad_output, aux_grad, None
+
+
+class MoELayer(nn.Module):
+    """Routed experts (+ optional shared experts) replacing the transformer's FFN."""
+
+    dropped_assignments: torch.Tensor
+    aux_loss_sum: torch.Tensor
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, expert_hidden: int,
+                 n_shared_experts: int = 0, capacity_factor: float | None = None,
+                 aux_loss_coef: float = 0.0) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.top_k = top_k
+        self.capacity_factor = capacity_factor
+        self.aux_loss_coef = aux_loss_coef
+        self.gate = TopKRouter(d_model, n_experts, top_k)
+        self.experts = nn.ModuleDict({str(e): Expert(d_model, expert_hidden)
+                                      for e in range(n_experts)})
+        self.shared_experts: Expert | None = (
+            Expert(d_model, expert_hidden * n_shared_experts) if n_shared_experts else None)
+        self.register_buffer("dropped_assignments", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+
+    def capacity(self, seq_len: int) -> int | None:
+        """Per-sequence, per-expert capacity, or ``None`` when unlimited."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, d_model = x.shape
+        route = self.gate(x)
+        expert_of_slot = route.indices.reshape(-1)  # token-major: slot a = token * k + j
+        capacity = self.capacity(seq_len)
+        if capacity is not None:
+            kept = self._within_capacity(route.indices, capacity).reshape(-1)
+            # Dropped slots get the sentinel id E and sort past every real expert.
+            expert_of_slot = torch.where(kept, expert_of_slot, self.n_experts)
+        order = torch.argsort(expert_of_slot, stable=True)
+        counts = torch.bincount(expert_of_slot, minlength=self.n_experts + 1)
+        # One host sync per layer and micro-batch: the split sizes must be known on the
+        # host to slice per expert (and, under expert parallelism, for all-to-all).
+        counts_per_expert: list[int] = counts[: self.n_experts].tolist()
+        n_kept = sum(counts_per_expert)
+        with torch.no_grad():
+            self.dropped_assignments += counts[self.n_experts]
+        kept_slots = order[:n_kept]
+        tokens = x.reshape(-1, d_model)
+        expert_out = self.run_experts(tokens[kept_slots // self.top_k], counts_per_expert)
+        slot_out = x.new_zeros(batch * seq_len * self.top_k, d_model)
+        slot_out = slot_out.index_copy(0, kept_slots, expert_out)
+        weights = route.weights.reshape(-1, self.top_k, 1).to(x.dtype)
+        out = (slot_out.view(-1, self.top_k, d_model) * weights).sum(dim=1)
+        out = out.view(batch, seq_len, d_model)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        with torch.no_grad():
+            self.aux_loss_sum += route.aux_loss.detach()
+        if self.aux_loss_coef > 0 and torch.is_grad_enabled():
+            out = _AttachAuxLoss.apply(out, route.aux_loss, self.aux_loss_coef)
+        return out
+
+    def run_experts(self, tokens: torch.Tensor, counts_per_expert: list[int]) -> torch.Tensor:
+        """Run each expert on its contiguous slice of expert-sorted ``tokens``.
+
+        Every expert runs even on an empty slice so that an active expert always gets a
+        (possibly zero) weight gradient: "no gradient" then means exactly "frozen".
+        Expert parallelism replaces this method with an all-to-all dispatch.
+        """
+        chunks = torch.split(tokens, counts_per_expert)
+        outputs = [self.experts[str(e)](chunk) for e, chunk in enumerate(chunks)]
+        return torch.cat(outputs, dim=0)
+
+    def _within_capacity(self, indices: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Mask ``[B, S, k]`` of slots accepted by their expert's per-sequence capacity."""
+        batch, seq_len, top_k = indices.shape
+        slot_major = indices.transpose(1, 2).reshape(batch, top_k * seq_len)
+        one_hot = F.one_hot(slot_major, self.n_experts)
+        position = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1
+        kept = position < capacity
+        return kept.view(batch, top_k, seq_len).transpose(1, 2)
+
+    def reset_stats(self) -> None:
+        """Zero per-iteration telemetry (popularity, drops, aux loss)."""
+        self.gate.reset_counts()
+        self.dropped_assignments.zero_()
+        self.aux_loss_sum.zero_()

@@ -1,0 +1,111 @@
+"""End-of-run artifacts: ``final_state.pt``, ``metrics.json`` and the training plot.
+
+``final_state.pt`` is the consolidated dense state keyed by layout-independent parameter
+FQNs, exactly as DESIGN.md's recipe contract specifies::
+
+    {"step": int, "model": {fqn: fp32 master}, "compute": {fqn: compute weight},
+     "optimizer": {fqn: {"exp_avg", "exp_avg_sq", "step"}}}
+
+Two runs that must agree produce files whose tensors are ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never needs a display
+import matplotlib.pyplot as plt
+import torch
+
+from lightning_moe_ckpt.precision import MasterWeightAdamW
+from lightning_moe_ckpt.training.history import TrainingHistory
+from lightning_moe_ckpt.training.settings import RunSettings
+
+FINAL_STATE = "final_state.pt"
+METRICS = "metrics.json"
+PLOT = "training.png"
+
+
+def consolidated_state(model: torch.nn.Module, optimizer: MasterWeightAdamW,
+                       step: int) -> dict[str, Any]:
+    """The dense training state keyed by parameter FQN, on the CPU."""
+    compute = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    master = {name: t.cpu().clone() for name, t in optimizer.master_weights().items()}
+    moments = {name: {k: v.detach().cpu().clone() for k, v in entries.items()}
+               for name, entries in optimizer.optimizer_state().items()}
+    return {"step": step, "model": master, "compute": compute, "optimizer": moments}
+
+
+def write_metrics(path: Path, settings: RunSettings, history: TrainingHistory,
+                  extra: dict[str, Any]) -> dict[str, Any]:
+    """Write ``metrics.json`` and return what was written."""
+    losses = history.loss_values()
+    iteration_ms = [s * 1e3 for s in history.iteration_seconds]
+    load = history.expert_load_total
+    productive_s = sum(history.iteration_seconds)
+    # No checkpoint stall, recovery or lost work exists yet in a failure-free run without a
+    # checkpoint policy, so every second of iteration time is productive.
+    lost_s = 0.0
+    metrics: dict[str, Any] = {
+        "api": settings.api,
+        "model": settings.model.name,
+        "precision": settings.precision,
+        "layout": {"pp": settings.layout.pp, "dp": settings.layout.dp,
+                   "ep": settings.layout.ep, "microbatches": settings.layout.microbatches},
+        "steps": len(losses),
+        "global_batch": settings.global_batch,
+        "tokens_per_step": settings.global_batch * settings.data.seq_len,
+        "failures_injected": 0,
+        "recoveries": [],
+        "checkpoint_policy": "none",
+        "checkpoint_overhead_pct": 0.0,
+        "stall_ms": 0.0,
+        "snapshot_bytes_per_iter": 0,
+        "window": None,
+        "loss": losses,
+        "aux_loss": torch.stack(history.aux_losses).tolist() if history.aux_losses else [],
+        "clip_coef": torch.stack(history.clip_coefs).tolist() if history.clip_coefs else [],
+        "dropped_assignments": int(torch.stack(history.dropped).sum()) if history.dropped else 0,
+        "validation": [vars(v) for v in history.validation],
+        "iteration_ms": {
+            "mean": statistics.fmean(iteration_ms) if iteration_ms else None,
+            "median": statistics.median(iteration_ms) if iteration_ms else None,
+        },
+        "expert_load": load.tolist() if load is not None else [],
+        "ettr": productive_s / (productive_s + lost_s) if productive_s > 0 else None,
+    }
+    metrics.update(extra)
+    path.write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def plot_training(path: Path, history: TrainingHistory, title: str) -> None:
+    """Loss curve (train and validation) and the layer x expert popularity heatmap."""
+    losses = history.loss_values()
+    fig, (ax_loss, ax_heat) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax_loss.plot(range(1, len(losses) + 1), losses, label="train", linewidth=1)
+    if history.validation:
+        ax_loss.plot([v.step for v in history.validation], [v.loss for v in history.validation],
+                     "o-", label="validation")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("cross-entropy (nats/byte)")
+    ax_loss.set_title(f"loss — {title}")
+    ax_loss.legend()
+    if history.expert_load_total is not None:
+        load = history.expert_load_total.float().cpu()
+        share = load / load.sum(dim=1, keepdim=True).clamp(min=1)
+        image = ax_heat.imshow(share.numpy(), aspect="auto", cmap="viridis")
+        ax_heat.set_xticks(range(share.shape[1]))
+        ax_heat.set_yticks(range(share.shape[0]))
+        ax_heat.set_xlabel("expert")
+        ax_heat.set_ylabel("layer")
+        ax_heat.set_title("expert popularity (share of routed tokens)")
+        fig.colorbar(image, ax=ax_heat)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,154 @@
+"""Validated run settings built from the Hydra config, before any process or tensor exists.
+
+:func:`settings_from_config` turns the composed ``conf/train.yaml`` into typed, frozen
+dataclasses and raises :class:`~lightning_moe_ckpt.errors.ConfigError` (naming the key and
+value) for anything that cannot run, so bad input fails fast and clearly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_moe_ckpt.errors import ConfigError, fmt, require
+from lightning_moe_ckpt.models.config import MoEModelConfig
+from lightning_moe_ckpt.precision import Precision, parse_precision
+
+Api = Literal["trainer", "fabric"]
+DATA_SOURCES = ("stdlib", "textfile")
+TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
+                "seed", "val_batches", "val_every")
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """AdamW, LR schedule (linear warm-up then cosine) and gradient clipping."""
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Which corpus, and the sequence length."""
+
+    name: str = "stdlib"
+    seq_len: int = 64
+    path: str | None = None
+    val_percent: float = 5.0
+    val_fraction: float = 0.05
+
+
+@dataclass(frozen=True)
+class LayoutSettings:
+    """Parallel layout. This version runs single-process layouts only."""
+
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    microbatches: int = 2
+    schedule: str = "1f1b"
+
+    @property
+    def world_size(self) -> int:
+        """Processes the layout needs."""
+        return self.pp * self.dp * self.ep
+
+    @property
+    def data_shards(self) -> int:
+        """Ranks of a stage that see different data."""
+        return self.dp * self.ep
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything one training run needs."""
+
+    model: MoEModelConfig
+    data: DataSettings
+    layout: LayoutSettings
+    optim: OptimSettings
+    precision: Precision
+    api: Api
+    seed: int
+    max_steps: int
+    global_batch: int
+    val_every: int
+    val_batches: int
+    log_every: int
+    progress_bar: bool
+    out_dir: str
+
+
+def _section(cfg: DictConfig, key: str) -> dict[str, Any]:
+    node = cfg.get(key)
+    if node is None:
+        return {}
+    return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
+
+
+def _pick(values: Mapping[str, Any], group: str, cls: type[Any],
+          ignore: tuple[str, ...] = ()) -> Any:
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(values) - known - set(ignore))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(f'{group}.{k}' for k in unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+    return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def settings_from_config(cfg: DictConfig) -> RunSettings:
+    """Validate the composed recipe config and return typed settings."""
+    model = MoEModelConfig.from_mapping(_section(cfg, "model"))
+    data = _pick(_section(cfg, "data"), "data", DataSettings)
+    require(data.name in DATA_SOURCES,
+            f"{fmt('data.name', data.name)} is unknown; choose one of {', '.join(DATA_SOURCES)}")
+    require(0 < data.seq_len <= model.max_seq_len,
+            f"data.seq_len={data.seq_len} must be in [1, model.max_seq_len={model.max_seq_len}]")
+    layout = _pick(_section(cfg, "parallel"), "parallel", LayoutSettings)
+    for key in ("pp", "dp", "ep", "microbatches"):
+        value = getattr(layout, key)
+        require(isinstance(value, int) and value >= 1,
+                f"{fmt('parallel.' + key, value)} must be an integer >= 1")
+    if layout.world_size != 1:
+        raise ConfigError(
+            f"parallel.pp={layout.pp} x parallel.dp={layout.dp} x parallel.ep={layout.ep} "
+            f"needs {layout.world_size} processes; this version trains single-process "
+            "layouts only (pp=dp=ep=1)")
+    trainer = _section(cfg, "trainer")
+    unknown = sorted(set(trainer) - set(TRAINER_KEYS))
+    require(not unknown, f"unknown key(s) {', '.join('trainer.' + k for k in unknown)}; "
+            f"known: {', '.join(TRAINER_KEYS)}")
+    optim_values = dict(trainer.pop("optim", {}) or {})
+    if "betas" in optim_values:
+        optim_values["betas"] = tuple(optim_values["betas"])
+    optim = _pick(optim_values, "trainer.optim", OptimSettings)
+    require(optim.lr > 0, f"{fmt('trainer.optim.lr', optim.lr)} must be > 0")
+    require(optim.max_grad_norm is None or optim.max_grad_norm > 0,
+            f"{fmt('trainer.optim.max_grad_norm', optim.max_grad_norm)} must be > 0 or null")
+    precision = parse_precision(trainer.get("precision", "32"))
+    api = str(cfg.get("api", "trainer"))
+    require(api in ("trainer", "fabric"), f"{fmt('api', api)} must be 'trainer' or 'fabric'")
+    settings = RunSettings(
+        model=model, data=data, layout=layout, optim=optim, precision=precision,
+        api=cast(Api, api), seed=int(trainer.get("seed", 0)),
+        max_steps=int(trainer.get("max_steps", 200)),
+        global_batch=int(trainer.get("global_batch", 16)),
+        val_every=int(trainer.get("val_every", 50)),
+        val_batches=int(trainer.get("val_batches", 4)),
+        log_every=int(trainer.get("log_every", 10)),
+        progress_bar=bool(trainer.get("progress_bar", True)),
+        out_dir=str(cfg.get("out_dir", "outputs")),
+    )
+    require(settings.max_steps >= 1, f"trainer.max_steps={settings.max_steps} must be >= 1")
+    require(settings.val_every >= 1, f"trainer.val_every={settings.val_every} must be >= 1")
+    require(settings.log_every >= 1, f"trainer.log_every={settings.log_every} must be >= 1")
+    return settings
