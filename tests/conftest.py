@@ -1,0 +1,27 @@
+"""Shared fixtures: small model configs, a reference batch, the repository paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_moe_ckpt.models import MoEModelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+
+
+@pytest.fixture
+def tiny_cfg() -> MoEModelConfig:
+    """The tiny preset's shape with a short sequence for fast unit tests."""
+    return MoEModelConfig(max_seq_len=16)
+
+
+@pytest.fixture
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two micro-batches of 4 random byte sequences of length 16: ``[M, b, S]``."""
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 256, (2, 4, 17), generator=generator)
+    return tokens[..., :-1], tokens[..., 1:]

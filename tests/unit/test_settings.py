@@ -1,0 +1,69 @@
+"""Recipe config composition and validation: bad input fails before anything runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+from omegaconf import DictConfig
+
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.training.run import build_corpus
+from lightning_moe_ckpt.training.settings import settings_from_config
+from tests.conftest import CONF_DIR
+
+
+def _compose(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose("train", overrides=list(overrides))
+
+
+def test_default_config_is_tiny_on_cpu() -> None:
+    settings = settings_from_config(_compose())
+    assert settings.model.name == "tiny" and settings.model.n_layers == 4
+    assert settings.model.n_experts == 8 and settings.model.top_k == 2
+    assert settings.precision == "32" and settings.api == "trainer"
+    assert settings.data.name == "stdlib" and settings.layout.world_size == 1
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "gpt_moe", "qwen_moe", "deepseek_moe",
+                                    "moe_llava"])
+def test_every_preset_composes(preset: str) -> None:
+    settings = settings_from_config(_compose(f"model={preset}", "data.seq_len=16"))
+    assert settings.model.name == preset
+
+
+def test_unknown_preset_names_group_and_value() -> None:
+    with pytest.raises(MissingConfigException, match="model/no_such_model"):
+        _compose("model=no_such_model")
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["model.top_k=9"], r"model\.top_k=9 must be <= model\.n_experts=8"),
+    (["model.capacity_factor=0"], r"model\.capacity_factor=0 must be > 0"),
+    (["trainer.precision=fp8"], r"trainer\.precision='fp8'"),
+    (["api=jax"], r"api='jax'"),
+    (["data.seq_len=65"], r"data\.seq_len=65 must be in \[1, model\.max_seq_len=64\]"),
+    (["parallel.pp=2", "parallel.ep=2"], r"parallel\.pp=2 x parallel\.dp=1 x parallel\.ep=2"),
+    (["parallel.microbatches=0"], r"parallel\.microbatches=0"),
+    (["+trainer.max_stepz=3"], r"trainer\.max_stepz"),
+    (["trainer.optim.lr=-1"], r"trainer\.optim\.lr=-1"),
+])
+def test_bad_values_name_key_and_value(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        settings_from_config(_compose(*overrides))
+
+
+def test_textfile_without_path_names_data_path() -> None:
+    settings = settings_from_config(_compose("data=textfile"))
+    with pytest.raises(ConfigError, match=r"set data\.path \(got data\.path=None\)"):
+        build_corpus(settings.data)
+
+
+def test_textfile_with_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.txt"
+    settings = settings_from_config(_compose("data=textfile", f"data.path={missing}"))
+    with pytest.raises(ConfigError, match="is not an existing file"):
+        build_corpus(settings.data)
