@@ -97,6 +97,31 @@ def build_corpus(data: DataSettings) -> TokenCorpus:
     return stdlib_corpus(data.val_percent)
 
 
+def build_data(settings: RunSettings) -> tuple[TokenCorpus, SeekableSampler, list[Batch]]:
+    """The corpus, the training sampler and the fixed validation batches of a run."""
+    corpus = build_corpus(settings.data)
+    layout = BatchLayout(settings.global_batch, settings.layout.microbatches,
+                         settings.layout.data_shards)
+    sampler = SeekableSampler(corpus.train, settings.data.seq_len, layout, settings.seed)
+    val = validation_batches(corpus.val, settings.data.seq_len,
+                             settings.global_batch // settings.layout.microbatches,
+                             settings.val_batches, settings.seed)
+    return corpus, sampler, val
+
+
+def build_dataloaders(settings: RunSettings, start_step: int = 0
+                      ) -> tuple[DataLoader[dict[str, Any]], DataLoader[Batch]]:
+    """``(train, validation)`` loaders; train item ``t`` is iteration ``start_step + t``."""
+    _, sampler, val = build_data(settings)
+    return _loaders(sampler, val, settings.max_steps, start_step)
+
+
+def _loaders(sampler: SeekableSampler, val: list[Batch], stop: int, start: int = 0
+             ) -> tuple[DataLoader[dict[str, Any]], DataLoader[Batch]]:
+    train = DataLoader(IterationDataset(sampler, stop, start), batch_size=None)
+    return train, DataLoader(ListDataset(val), batch_size=None)
+
+
 def _csv_logger(settings: RunSettings) -> CSVLogger:
     return CSVLogger(save_dir=settings.out_dir, name="csv", version=0)
 
@@ -112,8 +137,7 @@ def _train_with_trainer(settings: RunSettings, sampler: SeekableSampler, val: li
         check_val_every_n_epoch=None, log_every_n_steps=settings.log_every,
         default_root_dir=settings.out_dir,
     )
-    train_loader = DataLoader(IterationDataset(sampler, settings.max_steps), batch_size=None)
-    val_loader: DataLoader[Batch] = DataLoader(ListDataset(val), batch_size=None)
+    train_loader, val_loader = _loaders(sampler, val, settings.max_steps)
     trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader)
     if settings.max_steps % settings.val_every:
         trainer.validate(module, dataloaders=val_loader, verbose=False)
@@ -156,13 +180,7 @@ def _train_with_fabric(settings: RunSettings, sampler: SeekableSampler, val: lis
 def run_training(cfg: DictConfig) -> dict[str, Any]:
     """Train as the recipe config says and write the run's artifacts; returns the metrics."""
     settings = settings_from_config(cfg)
-    corpus = build_corpus(settings.data)
-    layout = BatchLayout(settings.global_batch, settings.layout.microbatches,
-                         settings.layout.data_shards)
-    sampler = SeekableSampler(corpus.train, settings.data.seq_len, layout, settings.seed)
-    val = validation_batches(corpus.val, settings.data.seq_len,
-                             settings.global_batch // settings.layout.microbatches,
-                             settings.val_batches, settings.seed)
+    corpus, sampler, val = build_data(settings)
     out_dir = Path(settings.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     history = TrainingHistory()
