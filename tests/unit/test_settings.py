@@ -10,7 +10,7 @@ from hydra.errors import MissingConfigException
 from omegaconf import DictConfig
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.training.run import build_corpus
+from lightning_moe_ckpt.training.run import build_corpus, run_training
 from lightning_moe_ckpt.training.settings import settings_from_config
 from tests.conftest import CONF_DIR
 
@@ -46,7 +46,16 @@ def test_unknown_preset_names_group_and_value() -> None:
     (["trainer.precision=fp8"], r"trainer\.precision='fp8'"),
     (["api=jax"], r"api='jax'"),
     (["data.seq_len=65"], r"data\.seq_len=65 must be in \[1, model\.max_seq_len=64\]"),
-    (["parallel.pp=2", "parallel.ep=2"], r"parallel\.pp=2 x parallel\.dp=1 x parallel\.ep=2"),
+    (["parallel.ep=3"], r"model\.n_experts=8 is not divisible by parallel\.ep=3"),
+    (["parallel.pp=8", "parallel.microbatches=8"],
+     r"model\.n_layers=4 is fewer than the 8 pipeline stages of parallel\.pp=8"),
+    (["parallel.pp=2", "parallel.microbatches=1"],
+     r"parallel\.microbatches=1 is fewer than parallel\.pp=2"),
+    (["parallel.schedule=gpipe"], r"parallel\.schedule='gpipe' is unknown"),
+    (["parallel.pp=4", "parallel.microbatches=4", "parallel.schedule=interleaved_1f1b"],
+     r"model\.n_layers=4 is fewer than the 8 pipeline stages"),
+    (["+parallel.tp=2"], r"parallel\.tp"),
+    (["+hardware.gpus=2"], r"hardware\.gpus"),
     (["parallel.microbatches=0"], r"parallel\.microbatches=0"),
     (["+trainer.max_stepz=3"], r"trainer\.max_stepz"),
     (["trainer.optim.lr=-1"], r"trainer\.optim\.lr=-1"),
@@ -54,6 +63,13 @@ def test_unknown_preset_names_group_and_value() -> None:
 def test_bad_values_name_key_and_value(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         settings_from_config(_compose(*overrides))
+
+
+def test_multi_process_layout_is_refused_before_training(tmp_path: Path) -> None:
+    cfg = _compose("parallel.pp=2", "parallel.ep=2", f"out_dir={tmp_path}")
+    with pytest.raises(ConfigError, match=r"parallel\.pp=2 x parallel\.dp=1 x parallel\.ep=2"):
+        run_training(cfg)
+    assert not any(tmp_path.iterdir())
 
 
 def test_textfile_without_path_names_data_path() -> None:

@@ -29,6 +29,7 @@ from lightning_moe_ckpt.data import (
     textfile_corpus,
     validation_batches,
 )
+from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models.transformer import MoETransformer
 from lightning_moe_ckpt.precision import MasterWeightAdamW
 from lightning_moe_ckpt.training.core import (
@@ -180,6 +181,12 @@ def _train_with_fabric(settings: RunSettings, sampler: SeekableSampler, val: lis
 def run_training(cfg: DictConfig) -> dict[str, Any]:
     """Train as the recipe config says and write the run's artifacts; returns the metrics."""
     settings = settings_from_config(cfg)
+    if settings.layout.world_size != 1:
+        layout = settings.layout
+        raise ConfigError(
+            f"parallel.pp={layout.pp} x parallel.dp={layout.dp} x parallel.ep={layout.ep} "
+            f"needs {layout.world_size} processes; this version trains single-process "
+            "layouts only (pp=dp=ep=1)")
     corpus, sampler, val = build_data(settings)
     out_dir = Path(settings.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

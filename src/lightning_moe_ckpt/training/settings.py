@@ -15,10 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
 from lightning_moe_ckpt.models.config import MoEModelConfig
+from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.precision import Precision, parse_precision
 
 Api = Literal["trainer", "fabric"]
 DATA_SOURCES = ("stdlib", "textfile")
+PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "schedule")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
                 "seed", "val_batches", "val_every")
 
@@ -48,24 +50,21 @@ class DataSettings:
 
 
 @dataclass(frozen=True)
-class LayoutSettings:
-    """Parallel layout. This version runs single-process layouts only."""
+class HardwareSettings:
+    """Where the job runs (``hardware`` group; its ``cluster`` block feeds the simulator)."""
 
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
-    microbatches: int = 2
-    schedule: str = "1f1b"
+    name: str = "cpu"
+    accelerator: str = "cpu"
+    devices_per_node: int = 1
+    nodes: int = 1
+    backend: str = "gloo"
+    precision: str = "32"
+    pin_memory: bool = False
 
     @property
     def world_size(self) -> int:
-        """Processes the layout needs."""
-        return self.pp * self.dp * self.ep
-
-    @property
-    def data_shards(self) -> int:
-        """Ranks of a stage that see different data."""
-        return self.dp * self.ep
+        """Processes the launcher provides."""
+        return self.devices_per_node * self.nodes
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,8 @@ class RunSettings:
 
     model: MoEModelConfig
     data: DataSettings
-    layout: LayoutSettings
+    layout: ParallelPlan
+    hardware: HardwareSettings
     optim: OptimSettings
     precision: Precision
     api: Api
@@ -113,16 +113,16 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
             f"{fmt('data.name', data.name)} is unknown; choose one of {', '.join(DATA_SOURCES)}")
     require(0 < data.seq_len <= model.max_seq_len,
             f"data.seq_len={data.seq_len} must be in [1, model.max_seq_len={model.max_seq_len}]")
-    layout = _pick(_section(cfg, "parallel"), "parallel", LayoutSettings)
-    for key in ("pp", "dp", "ep", "microbatches"):
-        value = getattr(layout, key)
-        require(isinstance(value, int) and value >= 1,
-                f"{fmt('parallel.' + key, value)} must be an integer >= 1")
-    if layout.world_size != 1:
-        raise ConfigError(
-            f"parallel.pp={layout.pp} x parallel.dp={layout.dp} x parallel.ep={layout.ep} "
-            f"needs {layout.world_size} processes; this version trains single-process "
-            "layouts only (pp=dp=ep=1)")
+    parallel = _section(cfg, "parallel")
+    unknown = sorted(set(parallel) - set(PARALLEL_KEYS))
+    require(not unknown, f"unknown key(s) {', '.join('parallel.' + k for k in unknown)}; "
+            f"known: {', '.join(PARALLEL_KEYS)}")
+    layout = ParallelPlan.validate(
+        pp=parallel.get("pp", 1), dp=parallel.get("dp", 1), ep=parallel.get("ep", 1),
+        microbatches=parallel.get("microbatches", 1),
+        schedule=str(parallel.get("schedule", "1f1b")), model=model)
+    hardware = _pick(_section(cfg, "hardware"), "hardware", HardwareSettings,
+                     ignore=("cluster",))
     trainer = _section(cfg, "trainer")
     unknown = sorted(set(trainer) - set(TRAINER_KEYS))
     require(not unknown, f"unknown key(s) {', '.join('trainer.' + k for k in unknown)}; "
@@ -138,7 +138,7 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
     api = str(cfg.get("api", "trainer"))
     require(api in ("trainer", "fabric"), f"{fmt('api', api)} must be 'trainer' or 'fabric'")
     settings = RunSettings(
-        model=model, data=data, layout=layout, optim=optim, precision=precision,
+        model=model, data=data, layout=layout, hardware=hardware, optim=optim, precision=precision,
         api=cast(Api, api), seed=int(trainer.get("seed", 0)),
         max_steps=int(trainer.get("max_steps", 200)),
         global_batch=int(trainer.get("global_batch", 16)),

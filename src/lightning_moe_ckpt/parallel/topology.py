@@ -1,0 +1,126 @@
+"""Parallel topology: world = pp x dp x ep, rank coordinates, stage and expert placement.
+
+Ranks are laid out with ``ep`` fastest and ``pp`` slowest (mesh dims ``("pp", "dp", "ep")``),
+so the expert-parallel all-to-all stays inside a node and a pipeline stage's ``dp x ep``
+ranks are contiguous. Within each stage:
+
+* layers are split into contiguous, balanced blocks (earlier stages take the remainder);
+  stage 0 also owns the embedding, the last stage the output head;
+* each MoE layer's experts are sharded over ``ep`` in contiguous blocks;
+* non-expert parameters are replicated over the stage's ``dp x ep`` ranks, expert
+  parameters over ``dp``; every ``dp x ep`` rank of a stage reads a different data shard.
+
+:meth:`ParallelPlan.validate` rejects any layout that cannot run, naming keys and values,
+before a single process is started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_moe_ckpt.errors import ConfigError, require
+from lightning_moe_ckpt.models.config import MoEModelConfig
+
+SCHEDULES = ("1f1b", "interleaved_1f1b")
+MESH_DIMS = ("pp", "dp", "ep")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """A rank's position in the ``pp x dp x ep`` grid."""
+
+    pp: int
+    dp: int
+    ep: int
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A validated parallel layout for one model."""
+
+    pp: int
+    dp: int
+    ep: int
+    microbatches: int
+    n_layers: int
+    n_experts: int
+    schedule: str = "1f1b"
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes the plan needs."""
+        return self.pp * self.dp * self.ep
+
+    @property
+    def data_shards(self) -> int:
+        """Ranks per stage that see different data."""
+        return self.dp * self.ep
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages (virtual stages) each pipeline rank holds."""
+        return 2 if self.schedule == "interleaved_1f1b" and self.pp > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Total pipeline stages, counting virtual stages of interleaved schedules."""
+        return self.pp * self.stages_per_rank
+
+    @classmethod
+    def validate(cls, *, pp: int, dp: int, ep: int, microbatches: int, schedule: str,
+                 model: MoEModelConfig, world_size: int | None = None) -> ParallelPlan:
+        """Check a layout against the model and (optionally) the launcher's world size."""
+        for key, value in (("pp", pp), ("dp", dp), ("ep", ep), ("microbatches", microbatches)):
+            require(isinstance(value, int) and value >= 1,
+                    f"parallel.{key}={value} must be an integer >= 1")
+        require(schedule in SCHEDULES,
+                f"parallel.schedule={schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+        plan = cls(pp, dp, ep, microbatches, model.n_layers, model.n_experts, schedule)
+        if world_size is not None and world_size != plan.world_size:
+            raise ConfigError(
+                f"parallel.pp={pp} x parallel.dp={dp} x parallel.ep={ep} = {plan.world_size} "
+                f"processes, but the launcher provides world size {world_size}")
+        require(model.n_experts % ep == 0,
+                f"model.n_experts={model.n_experts} is not divisible by parallel.ep={ep}")
+        require(model.n_layers >= plan.num_stages,
+                f"model.n_layers={model.n_layers} is fewer than the {plan.num_stages} pipeline "
+                f"stages of parallel.pp={pp} with parallel.schedule={schedule!r}")
+        require(microbatches >= pp,
+                f"parallel.microbatches={microbatches} is fewer than parallel.pp={pp} "
+                "pipeline stages")
+        if plan.stages_per_rank > 1:
+            require(microbatches % pp == 0,
+                    f"parallel.microbatches={microbatches} must be a multiple of parallel.pp={pp} "
+                    "for parallel.schedule='interleaved_1f1b'")
+        return plan
+
+    def coordinates(self, rank: int) -> Coordinates:
+        """Grid position of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        return Coordinates(rank // (self.dp * self.ep), (rank // self.ep) % self.dp,
+                           rank % self.ep)
+
+    def rank_of(self, coords: Coordinates) -> int:
+        """Global rank at a grid position."""
+        return (coords.pp * self.dp + coords.dp) * self.ep + coords.ep
+
+    def stage_layers(self, stage: int) -> list[int]:
+        """Layer indices of pipeline stage ``stage`` (of ``num_stages``)."""
+        base, extra = divmod(self.n_layers, self.num_stages)
+        start = stage * base + min(stage, extra)
+        return list(range(start, start + base + (1 if stage < extra else 0)))
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """Stage indices a pipeline rank holds (looped placement for interleaved schedules)."""
+        return [pp_rank + v * self.pp for v in range(self.stages_per_rank)]
+
+    def local_experts(self, ep_rank: int) -> range:
+        """Global ids of the experts an expert-parallel rank owns."""
+        per_rank = self.n_experts // self.ep
+        return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+    def stage_group_ranks(self, pp_rank: int) -> list[int]:
+        """The ``dp x ep`` global ranks of one pipeline stage."""
+        return [self.rank_of(Coordinates(pp_rank, d, e))
+                for d in range(self.dp) for e in range(self.ep)]
