@@ -12,7 +12,7 @@ Gradients reach the optimizer in two explicit steps so that every parallel layou
 apply the same reductions in the same order: :meth:`MasterWeightAdamW.collect_grads`
 moves the accumulated micro-batch gradients into fp32 and divides them by the number of
 micro-batches (as ``torch.distributed.pipelining`` does), then the caller syncs/clips
-:meth:`MasterWeightAdamW.master_grads` and calls :meth:`MasterWeightAdamW.step`.
+:meth:`MasterWeightAdamW.named_master_grads` and calls :meth:`MasterWeightAdamW.step`.
 Parameters whose model gradient is ``None`` (frozen operators) get no master gradient,
 so AdamW leaves their weights, moments and step counters untouched.
 """
@@ -97,9 +97,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             if divisor != 1:
                 grad.div_(divisor)
 
-    def master_grads(self) -> list[torch.Tensor]:
-        """Gradients the next :meth:`step` applies (active parameters only)."""
-        return [m.grad for m in self.master.values() if m.grad is not None]
+    def named_master_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients the next :meth:`step` applies, by FQN (active parameters only)."""
+        return {name: m.grad for name, m in self.master.items() if m.grad is not None}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

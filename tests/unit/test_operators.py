@@ -16,6 +16,7 @@ from lightning_moe_ckpt.training.core import (
     language_model_loss,
     train_iteration,
 )
+from lightning_moe_ckpt.training.executor import LocalExecutor
 from lightning_moe_ckpt.training.settings import OptimSettings
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -56,7 +57,7 @@ def _one_step(model: MoETransformer, precision: Precision, batch: Batch):  # typ
     inputs, targets = batch
 
     def run() -> None:
-        train_iteration(model, optimizer, scheduler, inputs, targets,
+        train_iteration(LocalExecutor(model), optimizer, scheduler, inputs, targets,
                         lambda loss: loss.backward(), optimizer.step, max_grad_norm=1.0)
 
     return optimizer, run

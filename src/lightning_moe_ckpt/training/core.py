@@ -22,6 +22,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.models.transformer import MoETransformer
 from lightning_moe_ckpt.precision import MasterWeightAdamW, Precision, compute_dtype
+from lightning_moe_ckpt.training.executor import Backward, Executor
 from lightning_moe_ckpt.training.settings import OptimSettings
 
 _CLIP_EPS = 1e-6
@@ -73,47 +74,37 @@ def language_model_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def clip_coefficient(grads: list[torch.Tensor], max_norm: float | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(total_norm, coef)`` with ``coef = min(1, max_norm / (total_norm + 1e-6))``."""
-    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))``, or one when clipping is off."""
     if max_norm is None:
-        return total_norm, torch.ones_like(total_norm)
-    return total_norm, torch.clamp(max_norm / (total_norm + _CLIP_EPS), max=1.0)
+        return torch.ones_like(total_norm)
+    return torch.clamp(max_norm / (total_norm + _CLIP_EPS), max=1.0)
 
 
-def train_iteration(model: MoETransformer, optimizer: MasterWeightAdamW, scheduler: LambdaLR,
-                    inputs: torch.Tensor, targets: torch.Tensor,
-                    backward: Callable[[torch.Tensor], None], step: Callable[[], object],
-                    max_grad_norm: float | None,
+def train_iteration(executor: Executor, optimizer: MasterWeightAdamW, scheduler: LambdaLR,
+                    inputs: torch.Tensor, targets: torch.Tensor, backward: Backward,
+                    step: Callable[[], object], max_grad_norm: float | None,
                     clip_coef: torch.Tensor | None = None) -> IterationResult:
     """One optimizer step over ``inputs``/``targets`` of shape ``[M, b, S]``.
 
     ``clip_coef`` replaces the computed clipping coefficient when given (replay uses the
     logged one).
     """
-    model.reset_stats()
+    executor.reset_stats()
     microbatches = inputs.shape[0]
-    losses = []
-    for index in range(microbatches):
-        loss = language_model_loss(model(inputs[index]), targets[index])
-        backward(loss)
-        losses.append(loss.detach())
+    loss_sum = executor.forward_backward(inputs, targets, language_model_loss, backward)
     optimizer.collect_grads(divisor=microbatches)
-    grads = optimizer.master_grads()
-    grad_norm, computed_coef = clip_coefficient(grads, max_grad_norm)
-    coef = computed_coef if clip_coef is None else clip_coef
-    if max_grad_norm is not None or clip_coef is not None:
-        torch._foreach_mul_(grads, coef)
+    grads = optimizer.named_master_grads()
+    executor.reduce_gradients(grads)
+    grad_norm = executor.grad_norm(grads)
+    coef = clip_coefficient(grad_norm, max_grad_norm) if clip_coef is None else clip_coef
+    if grads and (max_grad_norm is not None or clip_coef is not None):
+        torch._foreach_mul_(list(grads.values()), coef)
     lr = float(optimizer.param_groups[0]["lr"])
     step()
     optimizer.zero_grad()
     scheduler.step()
-    moe_layers = model.moe_layers().values()
-    return IterationResult(
-        loss=torch.stack(losses).mean(),
-        aux_loss=torch.stack([m.aux_loss_sum for m in moe_layers]).sum() / microbatches,
-        grad_norm=grad_norm.detach(), clip_coef=coef.detach(), lr=lr,
-        expert_load=model.expert_load().clone(),
-        dropped=torch.stack([m.dropped_assignments for m in moe_layers]).sum(),
-    )
+    stats = executor.iteration_stats(loss_sum, microbatches)
+    return IterationResult(loss=stats.loss, aux_loss=stats.aux_loss,
+                           grad_norm=grad_norm.detach(), clip_coef=coef.detach(), lr=lr,
+                           expert_load=stats.expert_load, dropped=stats.dropped)

@@ -15,13 +15,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lightning_moe_ckpt.precision import MasterWeightAdamW
-from lightning_moe_ckpt.training.core import (
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    train_iteration,
-)
+from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.history import TrainingHistory, ValidationRecord
 from lightning_moe_ckpt.training.settings import RunSettings
 from lightning_moe_ckpt.training.telemetry import ValidationMetrics, step_log_values
@@ -34,24 +28,28 @@ class MoELanguageModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.settings = settings
-        self.model = build_model(settings.model, settings.precision, settings.seed)
+        self.engine: TrainingEngine | None = None
         self.history = history if history is not None else TrainingHistory()
         self.val_metrics = ValidationMetrics()
-        self._layer_ids = sorted(self.model.moe_layers())
+
+    @override
+    def configure_model(self) -> None:
+        if self.engine is not None:
+            return
+        self.engine = TrainingEngine.local(self.settings)
+        self.model = self.engine.model
+        self._layer_ids = list(range(self.settings.model.n_layers))
 
     @override
     def configure_optimizers(self) -> Any:
-        optimizer = build_optimizer(self.model, self.settings.precision, self.settings.optim)
-        scheduler = build_scheduler(optimizer, self.settings.optim, self.settings.max_steps)
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        engine = self._engine()
+        return {"optimizer": engine.optimizer,
+                "lr_scheduler": {"scheduler": engine.scheduler, "interval": "step"}}
 
-    @property
-    def master_optimizer(self) -> MasterWeightAdamW:
-        """The unwrapped master-weight optimizer."""
-        optimizer = self.optimizers(use_pl_optimizer=False)
-        assert isinstance(optimizer, MasterWeightAdamW)
-        return optimizer
+    def _engine(self) -> TrainingEngine:
+        if self.engine is None:
+            raise RuntimeError("configure_model() has not run: attach the module to a Trainer")
+        return self.engine
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -60,12 +58,9 @@ class MoELanguageModule(L.LightningModule):
                                f"optimizer step {self.global_step}")
         wrapped = self.optimizers()
         assert not isinstance(wrapped, list)
-        scheduler = self.lr_schedulers()
-        assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
         self.history.start_iteration()
-        result = train_iteration(self.model, self.master_optimizer, scheduler,
-                                 batch["inputs"], batch["targets"], self.manual_backward,
-                                 wrapped.step, self.settings.optim.max_grad_norm)
+        result = self._engine().train_iteration(batch["inputs"], batch["targets"],
+                                                self.manual_backward, wrapped.step)
         self.history.record(result)
         values = step_log_values(result, self._layer_ids)
         self.log("train/loss", values.pop("train/loss"), prog_bar=True)
@@ -74,7 +69,7 @@ class MoELanguageModule(L.LightningModule):
     @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets = batch
-        self.val_metrics.update(self.model(inputs), targets)
+        self.val_metrics.update(self._engine().model(inputs), targets)
 
     @override
     def on_validation_epoch_end(self) -> None:

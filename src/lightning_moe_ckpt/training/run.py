@@ -32,12 +32,7 @@ from lightning_moe_ckpt.data import (
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models.transformer import MoETransformer
 from lightning_moe_ckpt.precision import MasterWeightAdamW
-from lightning_moe_ckpt.training.core import (
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    train_iteration,
-)
+from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.history import TrainingHistory, ValidationRecord
 from lightning_moe_ckpt.training.lightning_module import MoELanguageModule
 from lightning_moe_ckpt.training.outputs import (
@@ -142,7 +137,8 @@ def _train_with_trainer(settings: RunSettings, sampler: SeekableSampler, val: li
     trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader)
     if settings.max_steps % settings.val_every:
         trainer.validate(module, dataloaders=val_loader, verbose=False)
-    return TrainedState(module.model, module.master_optimizer, trainer.global_step)
+    engine = module._engine()
+    return TrainedState(engine.model, engine.optimizer, trainer.global_step)
 
 
 def _train_with_fabric(settings: RunSettings, sampler: SeekableSampler, val: list[Batch],
@@ -150,20 +146,18 @@ def _train_with_fabric(settings: RunSettings, sampler: SeekableSampler, val: lis
     fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true",
                       loggers=_csv_logger(settings))
     fabric.launch()
-    model = build_model(settings.model, settings.precision, settings.seed)
-    optimizer = build_optimizer(model, settings.precision, settings.optim)
-    scheduler = build_scheduler(optimizer, settings.optim, settings.max_steps)
+    engine = TrainingEngine.local(settings)
+    model, optimizer = engine.model, engine.optimizer
     _, wrapped_optimizer = fabric.setup(model, optimizer)
-    layer_ids = sorted(model.moe_layers())
+    layer_ids = list(range(settings.model.n_layers))
     metrics = ValidationMetrics()
     dataset = IterationDataset(sampler, settings.max_steps)
     steps = tqdm(range(settings.max_steps), desc="train", disable=not settings.progress_bar)
     for step in steps:
         batch = dataset[step]
         history.start_iteration()
-        result = train_iteration(model, optimizer, scheduler, batch["inputs"], batch["targets"],
-                                 fabric.backward, wrapped_optimizer.step,
-                                 settings.optim.max_grad_norm)
+        result = engine.train_iteration(batch["inputs"], batch["targets"], fabric.backward,
+                                        wrapped_optimizer.step)
         history.record(result)
         done = step + 1
         if done % settings.log_every == 0:

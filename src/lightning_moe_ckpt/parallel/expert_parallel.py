@@ -1,0 +1,79 @@
+"""Expert parallelism: all-to-all token dispatch and combine over the ``ep`` group.
+
+Each rank of the expert-parallel group owns a contiguous block of every MoE layer's
+experts. :class:`ExpertParallelDispatch` replaces :meth:`MoELayer.run_experts`:
+
+1. exchange per-expert token counts (one small ``all_to_all_single``) so every rank knows
+   how many tokens it will receive from each source for each of its experts;
+2. send each destination rank the contiguous slice of expert-sorted tokens for its block
+   (differentiable ``all_to_all_single_autograd``, works on gloo and NCCL);
+3. regroup the received tokens expert-major, run each local expert once on its slice
+   (even an empty one, so active experts always get a gradient), restore source-major
+   order and send the outputs back with the reverse split sizes.
+
+The caller's expert-sorted order is preserved, so combine and capacity logic in
+:class:`~lightning_moe_ckpt.models.moe.MoELayer` are unchanged from single-process.
+The counts must be on the host to size the collectives: one host sync per layer and
+micro-batch, as in torchtitan's non-grouped expert path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
+from torch import nn
+
+from lightning_moe_ckpt.models.moe import MoELayer
+
+
+def _all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+    out = fcol.all_to_all_single_autograd(tensor, output_splits, input_splits, group)
+    return fcol.wait_tensor(out) if isinstance(out, fcol.AsyncCollectiveTensor) else out
+
+
+class ExpertParallelDispatch:
+    """Callable standing in for ``MoELayer.run_experts`` on one expert-parallel rank."""
+
+    def __init__(self, layer: MoELayer, group: dist.ProcessGroup, local_experts: range) -> None:
+        self.experts: nn.ModuleDict = layer.experts
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.local_experts = local_experts
+        self.n_experts = layer.n_experts
+
+    def __call__(self, tokens: torch.Tensor, counts_per_expert: list[int]) -> torch.Tensor:
+        per_rank = len(self.local_experts)
+        send_counts = torch.tensor(counts_per_expert, dtype=torch.int64, device=tokens.device)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        # recv[s][j]: tokens source s sends for my j-th local expert.
+        recv = recv_counts.view(self.ep_size, per_rank)
+        input_splits = [sum(counts_per_expert[r * per_rank:(r + 1) * per_rank])
+                        for r in range(self.ep_size)]
+        output_splits: list[int] = recv.sum(dim=1).tolist()
+        expert_sizes: list[int] = recv.sum(dim=0).tolist()
+        received = _all_to_all(tokens, output_splits, input_splits, self.group)
+
+        # Received rows come in (source, expert) blocks; a stable sort on the block's
+        # (expert, source) key makes them expert-major without a per-token Python loop.
+        blocks = torch.arange(self.ep_size * per_rank, device=tokens.device)
+        expert_major_key = (blocks % per_rank) * self.ep_size + blocks // per_rank
+        row_key = torch.repeat_interleave(expert_major_key, recv_counts,
+                                          output_size=sum(output_splits))
+        permutation = torch.argsort(row_key, stable=True)
+        chunks = torch.split(received[permutation], expert_sizes)
+        outputs = torch.cat([self.experts[str(expert)](chunk)
+                             for expert, chunk in zip(self.local_experts, chunks, strict=True)])
+        source_major = outputs.new_empty(outputs.shape).index_copy(0, permutation, outputs)
+        return _all_to_all(source_major, input_splits, output_splits, self.group)
+
+
+def enable_expert_parallel(model: nn.Module, group: dist.ProcessGroup,
+                           local_experts: range) -> None:
+    """Route every MoE layer of ``model`` through the expert-parallel dispatch."""
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.run_experts = ExpertParallelDispatch(  # type: ignore[method-assign]
+                module, group, local_experts)

@@ -1,0 +1,103 @@
+"""How one iteration's forward/backward, gradient sync and statistics run: locally or spread.
+
+:func:`~lightning_moe_ckpt.training.core.train_iteration` is written once against the
+:class:`Executor` protocol. :class:`LocalExecutor` is the single-process reference; the
+distributed executor (``parallel/engine.py``) runs a pipeline schedule, expert-parallel
+dispatch and collective gradient sync behind the same methods.
+
+The global gradient norm is always computed the same way: per-parameter norms are placed
+into one vector indexed by the parameter's position in the *full* model (zeros for
+parameters without a gradient or held elsewhere) and the norm of that vector is taken.
+A distributed run only adds an exact all-reduce of that vector (every entry comes from
+exactly one rank, the rest are zeros), so when its per-parameter gradients equal the
+single-process ones, its clip coefficient is bitwise identical too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import NamedTuple, Protocol
+
+import torch
+
+from lightning_moe_ckpt.models.transformer import MoETransformer
+
+Backward = Callable[[torch.Tensor], None]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class IterationStats(NamedTuple):
+    """Global per-iteration scalars and routing telemetry."""
+
+    loss: torch.Tensor
+    aux_loss: torch.Tensor
+    expert_load: torch.Tensor  # [layers of the full model, experts]
+    dropped: torch.Tensor
+
+
+def norm_vector(grads: Mapping[str, torch.Tensor], index: Mapping[str, int],
+                size: int, device: torch.device) -> torch.Tensor:
+    """Per-parameter L2 norms of ``grads`` scattered into a full-model-indexed vector."""
+    vector = torch.zeros(size, dtype=torch.float32, device=device)
+    names = list(grads)
+    if names:
+        norms = torch._foreach_norm([grads[name] for name in names])
+        positions = torch.tensor([index[name] for name in names], device=device)
+        vector[positions] = torch.stack(norms).float()
+    return vector
+
+
+class Executor(Protocol):
+    """Where and how the parts of an iteration run."""
+
+    def reset_stats(self) -> None:
+        """Zero per-iteration routing telemetry."""
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         loss_fn: LossFn, backward: Backward) -> torch.Tensor:
+        """Run every micro-batch; return this rank's summed micro-batch loss (or zero)."""
+
+    def reduce_gradients(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Make ``grads`` (fp32 master gradients by FQN) the global average, in place."""
+
+    def grad_norm(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm of all gradients (see module docstring for the exact order)."""
+
+    def iteration_stats(self, loss_sum: torch.Tensor, microbatches: int) -> IterationStats:
+        """Global loss (mean over micro-batches and data shards) and routing telemetry."""
+
+
+class LocalExecutor:
+    """Single process: the reference every parallel layout is compared against."""
+
+    def __init__(self, model: MoETransformer) -> None:
+        self.model = model
+        self.index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+
+    def reset_stats(self) -> None:
+        self.model.reset_stats()
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         loss_fn: LossFn, backward: Backward) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
+        for index in range(inputs.shape[0]):
+            loss = loss_fn(self.model(inputs[index]), targets[index])
+            backward(loss)
+            total = total + loss.detach()
+        return total
+
+    def reduce_gradients(self, grads: Mapping[str, torch.Tensor]) -> None:
+        return None
+
+    def grad_norm(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        device = next(iter(grads.values())).device if grads else torch.device("cpu")
+        return torch.linalg.vector_norm(norm_vector(grads, self.index, len(self.index), device))
+
+    def iteration_stats(self, loss_sum: torch.Tensor, microbatches: int) -> IterationStats:
+        moe_layers = self.model.moe_layers().values()
+        return IterationStats(
+            loss=loss_sum / microbatches,
+            aux_loss=torch.stack([m.aux_loss_sum for m in moe_layers]).sum() / microbatches,
+            expert_load=self.model.expert_load().clone(),
+            dropped=torch.stack([m.dropped_assignments for m in moe_layers]).sum(),
+        )
