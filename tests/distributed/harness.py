@@ -1,0 +1,50 @@
+"""Run a training function on N gloo CPU processes and collect rank 0's result.
+
+Processes are started with ``torch.multiprocessing`` (spawn) on a free loopback port; each
+runs with one intra-op thread so several fit on a 2-core machine. Rank 0 writes its result
+with ``torch.save`` to a file the parent reads back.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """An unused TCP port on the loopback interface."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+            out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(*args)
+        if rank == 0:
+            torch.save(result, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(world: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` on ``world`` processes; returns what rank 0 returned."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result.pt")
+        mp.start_processes(_worker, args=(world, free_port(), fn, args, out), nprocs=world,
+                           join=True, start_method="spawn")
+        return torch.load(out, weights_only=False)
