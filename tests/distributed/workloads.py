@@ -1,0 +1,183 @@
+"""Training workloads run inside the gloo worker processes of the distributed tests.
+
+Each function runs on every rank (after ``init_process_group``) and returns rank 0's
+view. They are module-level so ``spawn`` can pickle them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_moe_ckpt.data import BatchLayout, SeekableSampler
+from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
+from lightning_moe_ckpt.parallel.engine import build_parallel_engine
+from lightning_moe_ckpt.parallel.pipeline import BoundaryEvent, PipelineRunner
+from lightning_moe_ckpt.parallel.topology import Coordinates
+from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.training.outputs import consolidated_state
+from lightning_moe_ckpt.training.run import build_data
+from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
+
+
+def make_settings(pp: int, dp: int, ep: int, precision: str = "32", steps: int = 3,
+                  microbatches: int = 4, schedule: str = "1f1b",
+                  max_grad_norm: float | None = 1.0) -> RunSettings:
+    """Tiny model, short sequences, a global batch every tested layout divides."""
+    return settings_from_config(OmegaConf.create({
+        "model": {"max_seq_len": 16},
+        "data": {"seq_len": 16},
+        "parallel": {"pp": pp, "dp": dp, "ep": ep, "microbatches": microbatches,
+                     "schedule": schedule},
+        "trainer": {"max_steps": steps, "precision": precision, "global_batch": 16,
+                    "val_batches": 1, "optim": {"max_grad_norm": max_grad_norm}},
+    }))
+
+
+@contextmanager
+def single_thread() -> Any:
+    """CPU kernels may block differently with more threads: compare at one thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def reference_run(settings: RunSettings) -> tuple[dict[str, Any], list[float]]:
+    """Single-process run of the same global batch: ``(final state, losses)``."""
+    with single_thread():
+        engine = TrainingEngine.local(settings)
+        _, sampler, _ = build_data(settings)
+        whole = SeekableSampler(sampler.tokens, settings.data.seq_len,
+                                BatchLayout(settings.global_batch, settings.layout.microbatches),
+                                settings.seed)
+        losses = [float(engine.train_iteration(*whole.iteration(t)).loss)
+                  for t in range(settings.max_steps)]
+        return consolidated_state(engine.model, engine.optimizer, settings.max_steps), losses
+
+
+def _rank_engine(settings: RunSettings, hooks: list[Any] | None = None
+                 ) -> tuple[TrainingEngine, Coordinates, SeekableSampler, int]:
+    plan = settings.layout
+    mesh = init_device_mesh("cpu", (plan.pp, plan.dp, plan.ep), mesh_dim_names=("pp", "dp", "ep"))
+    coords = Coordinates(*mesh.get_coordinate())
+    engine = build_parallel_engine(settings, mesh, torch.device("cpu"), hooks)
+    _, sampler, _ = build_data(settings)
+    return engine, coords, sampler, coords.dp * plan.ep + coords.ep
+
+
+def distributed_run(settings: RunSettings) -> tuple[dict[str, Any] | None, list[float]]:
+    """Train ``settings.max_steps`` on this rank; rank 0 returns the consolidated state."""
+    engine, coords, sampler, shard = _rank_engine(settings)
+    losses = [float(engine.train_iteration(*sampler.iteration(t, shard)).loss)
+              for t in range(settings.max_steps)]
+    return gather_consolidated_state(engine, coords, settings.max_steps), losses
+
+
+FROZEN = ["layers.0.moe.experts.1", "layers.0.moe.experts.6", "layers.1.attn",
+          "layers.2.moe.gate", "layers.3.moe.experts.4", "embed"]
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cloned(v) for v in value]
+    return value
+
+
+def _local_state(engine: TrainingEngine) -> dict[str, Any]:
+    return {"master": {n: t.clone() for n, t in engine.optimizer.master_weights().items()},
+            "compute": {n: p.detach().clone() for n, p in engine.model.named_parameters()},
+            "optimizer": _cloned(engine.optimizer.state_dict()),
+            "scheduler": engine.scheduler.state_dict()}
+
+
+def frozen_step_check(settings: RunSettings) -> dict[str, Any]:
+    """Two all-active steps, then step 3 twice from the same state: all active, and with
+    ``FROZEN`` frozen. Returns, gathered on rank 0, per-rank lists of mismatches."""
+    engine, _, sampler, shard = _rank_engine(settings)
+    for t in range(2):
+        engine.train_iteration(*sampler.iteration(t, shard))
+    before = _local_state(engine)
+    engine.train_iteration(*sampler.iteration(2, shard))
+    all_active = _local_state(engine)
+
+    with torch.no_grad():  # restore the state after step 2
+        for name, param in engine.model.named_parameters():
+            param.copy_(before["compute"][name])
+    engine.optimizer.load_state_dict(before["optimizer"])
+    engine.scheduler.load_state_dict(before["scheduler"])
+    registry = engine.registry
+    frozen_here = [name for name in FROZEN if name in registry]
+    registry.set_frozen(frozen_here)
+    engine.train_iteration(*sampler.iteration(2, shard))
+    with_frozen = _local_state(engine)
+
+    frozen_params = {n for op in frozen_here for n, _ in registry[op].params}
+    problems = []
+    for name in with_frozen["master"]:
+        expected = before if name in frozen_params else all_active
+        for section in ("master", "compute"):
+            if not torch.equal(with_frozen[section][name], expected[section][name]):
+                problems.append((section, name))
+        saved = expected["optimizer"]["state"].get(name, {})
+        got = with_frozen["optimizer"]["state"].get(name, {})
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if not torch.equal(got[key], saved[key]):
+                problems.append((key, name))
+    report = {"frozen_here": frozen_here, "problems": problems,
+              "n_frozen_params": len(frozen_params)}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    return {"ranks": gathered}
+
+
+def boundary_hook_check(settings: RunSettings) -> dict[str, Any]:
+    """Record every boundary send and every received boundary tensor for a few steps."""
+    sent: dict[tuple[str, int, int, int], list[torch.Tensor | None]] = {}
+    calls: Counter[tuple[str, int, int, int]] = Counter()
+
+    def recorder(event: BoundaryEvent) -> None:
+        key = (event.kind, event.iteration, event.microbatch, event.stage)
+        calls[key] += 1
+        sent[key] = [None if t is None else t.clone() for t in event.tensors]
+
+    engine, _, sampler, shard = _rank_engine(settings, hooks=[recorder])
+    runner = getattr(engine.executor, "runner", None)
+    assert isinstance(runner, PipelineRunner)
+    received: dict[tuple[str, int, int, int], list[torch.Tensor]] = {}
+    for stage in runner.stages:
+        original_acts, original_grads = (stage._retrieve_recv_activations,
+                                         stage._retrieve_recv_grads)
+
+        def acts(mb: int, stage: Any = stage, original: Any = original_acts) -> Any:
+            out = original(mb)
+            received[("activation", stage.iteration, mb, stage.stage_index - 1)] = [
+                t.detach().clone() for t in out]
+            return out
+
+        def grads(mb: int, stage: Any = stage, original: Any = original_grads) -> Any:
+            out = original(mb)
+            received[("gradient", stage.iteration, mb, stage.stage_index + 1)] = [
+                t.clone() for t in out]
+            return out
+
+        stage._retrieve_recv_activations = acts  # type: ignore[method-assign]
+        stage._retrieve_recv_grads = grads  # type: ignore[method-assign]
+    for t in range(settings.max_steps):
+        engine.train_iteration(*sampler.iteration(t, shard))
+    everything: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, {"calls": dict(calls), "sent": sent,
+                                        "received": received})
+    return {"ranks": everything}
