@@ -19,6 +19,8 @@ from lightning_moe_ckpt.training import run_training
 def main(cfg: DictConfig) -> None:
     """Hydra entry point."""
     metrics = run_training(cfg)
+    if not metrics:  # ranks other than 0 write nothing
+        return
     losses = metrics["loss"]
     summary = {
         "out_dir": cfg.out_dir,

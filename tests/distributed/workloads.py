@@ -20,9 +20,9 @@ from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
 from lightning_moe_ckpt.parallel.engine import build_parallel_engine
 from lightning_moe_ckpt.parallel.pipeline import BoundaryEvent, PipelineRunner
 from lightning_moe_ckpt.parallel.topology import Coordinates
+from lightning_moe_ckpt.training.data import build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.outputs import consolidated_state
-from lightning_moe_ckpt.training.run import build_data
 from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
 
 
@@ -55,7 +55,7 @@ def reference_run(settings: RunSettings) -> tuple[dict[str, Any], list[float]]:
     """Single-process run of the same global batch: ``(final state, losses)``."""
     with single_thread():
         engine = TrainingEngine.local(settings)
-        _, sampler, _ = build_data(settings)
+        sampler = build_data(settings).train
         whole = SeekableSampler(sampler.tokens, settings.data.seq_len,
                                 BatchLayout(settings.global_batch, settings.layout.microbatches),
                                 settings.seed)
@@ -70,7 +70,7 @@ def _rank_engine(settings: RunSettings, hooks: list[Any] | None = None
     mesh = init_device_mesh("cpu", (plan.pp, plan.dp, plan.ep), mesh_dim_names=("pp", "dp", "ep"))
     coords = Coordinates(*mesh.get_coordinate())
     engine = build_parallel_engine(settings, mesh, torch.device("cpu"), hooks)
-    _, sampler, _ = build_data(settings)
+    sampler = build_data(settings).train
     return engine, coords, sampler, coords.dp * plan.ep + coords.ep
 
 

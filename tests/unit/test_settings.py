@@ -10,7 +10,7 @@ from hydra.errors import MissingConfigException
 from omegaconf import DictConfig
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.training.run import build_corpus, run_training
+from lightning_moe_ckpt.training.data import build_corpus
 from lightning_moe_ckpt.training.settings import settings_from_config
 from tests.conftest import CONF_DIR
 
@@ -63,13 +63,6 @@ def test_unknown_preset_names_group_and_value() -> None:
 def test_bad_values_name_key_and_value(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         settings_from_config(_compose(*overrides))
-
-
-def test_multi_process_layout_is_refused_before_training(tmp_path: Path) -> None:
-    cfg = _compose("parallel.pp=2", "parallel.ep=2", f"out_dir={tmp_path}")
-    with pytest.raises(ConfigError, match=r"parallel\.pp=2 x parallel\.dp=1 x parallel\.ep=2"):
-        run_training(cfg)
-    assert not any(tmp_path.iterdir())
 
 
 def test_textfile_without_path_names_data_path() -> None:

@@ -5,8 +5,8 @@ from lightning_moe_ckpt.data.sampler import (
     BatchLayout,
     SeekableSampler,
     mix_seed,
-    validation_batches,
+    validation_sampler,
 )
 
 __all__ = ["BatchLayout", "SeekableSampler", "TokenCorpus", "mix_seed", "stdlib_corpus",
-           "textfile_corpus", "validation_batches"]
+           "textfile_corpus", "validation_sampler"]

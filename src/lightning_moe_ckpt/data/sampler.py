@@ -107,9 +107,8 @@ class SeekableSampler:
                 "data_shards": self.layout.data_shards}
 
 
-def validation_batches(tokens: torch.Tensor, seq_len: int, batch_size: int, count: int,
-                       seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed list of ``count`` validation batches drawn from ``tokens``."""
-    layout = BatchLayout(global_batch=batch_size)
-    sampler = SeekableSampler(tokens, seq_len, layout, mix_seed(seed, 0x7A1))
-    return [sampler.microbatch(i, 0, 0) for i in range(count)]
+def validation_sampler(tokens: torch.Tensor, seq_len: int, layout: BatchLayout,
+                       seed: int) -> SeekableSampler:
+    """A sampler over the validation split: batch ``i`` is ``iteration(i, shard)``, shaped
+    and sharded like a training iteration, with a seed stream of its own."""
+    return SeekableSampler(tokens, seq_len, layout, mix_seed(seed, 0x7A1))

@@ -94,6 +94,20 @@ class DistributedExecutor:
             total = total + loss.detach()
         return total
 
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 loss_fn: LossFn) -> tuple[torch.Tensor, int]:
+        microbatches = inputs.shape[0]
+        if self.runner is not None:
+            loss_sum = self.runner.evaluate(inputs, targets)
+            tokens = targets.numel() if self.runner.has_last else 0
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float32, device=inputs.device)
+            for index in range(microbatches):
+                loss_sum = loss_sum + loss_fn(self.model(inputs[index]), targets[index])
+            tokens = targets.numel()
+        return loss_sum / microbatches, tokens
+
     def reduce_gradients(self, grads: Mapping[str, torch.Tensor]) -> None:
         shards = self.plan.data_shards
         if shards == 1 or not grads:

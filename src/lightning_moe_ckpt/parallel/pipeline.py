@@ -51,14 +51,14 @@ class HookedPipelineStage(PipelineStage):
     def __init__(self, *args: Any, hooks: list[BoundaryHook], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hooks = hooks
-        self.iteration = 0
+        self.iteration = 0  # negative while evaluating: nothing is reported
 
     @override
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...],
                           kwargs: dict[str, Any] | None = None,
                           save_forward_output: bool = True) -> Any:
         output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        if self.hooks and not self.is_last:
+        if self.hooks and not self.is_last and self.iteration >= 0:
             sent = tuple(t.detach() for t in self.fwd_cache[fwd_chunk_id][0])
             self._emit(BoundaryEvent("activation", self.iteration, fwd_chunk_id,
                                      self.stage_index, sent))
@@ -68,7 +68,7 @@ class HookedPipelineStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> None:
         super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        if self.hooks and self.has_backward and not self.is_first:
+        if self.hooks and self.has_backward and not self.is_first and self.iteration >= 0:
             grads = tuple(self.bwd_cache[bwd_chunk_id])
             self._emit(BoundaryEvent("gradient", self.iteration, bwd_chunk_id,
                                      self.stage_index, grads))
@@ -122,7 +122,25 @@ class PipelineRunner:
             self.schedule.step(*args, target=targets.flatten(0, 1), losses=losses)
         else:
             self.schedule.step(*args)
-        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
-        for loss in losses:  # sequential, in micro-batch order, like the reference loop
-            total = total + loss.detach()
-        return total
+        return _sequential_sum(losses, inputs.device)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward-only pass over all micro-batches (boundary hooks stay silent); returns the
+        summed micro-batch loss on the last stage's rank, zero elsewhere."""
+        for stage in self.stages:
+            stage.iteration = -1
+        args = (inputs.flatten(0, 1),) if self.has_first else ()
+        losses: list[torch.Tensor] = []
+        if self.has_last:
+            self.schedule.eval(*args, target=targets.flatten(0, 1), losses=losses)
+        else:
+            self.schedule.eval(*args)
+        return _sequential_sum(losses, inputs.device)
+
+
+def _sequential_sum(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for loss in losses:  # sequential, in micro-batch order, like the reference loop
+        total = total + loss.detach()
+    return total

@@ -66,6 +66,11 @@ class Executor(Protocol):
     def iteration_stats(self, loss_sum: torch.Tensor, microbatches: int) -> IterationStats:
         """Global loss (mean over micro-batches and data shards) and routing telemetry."""
 
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 loss_fn: LossFn) -> tuple[torch.Tensor, int]:
+        """Forward-only ``(mean micro-batch loss, tokens)``; ``tokens`` is 0 on ranks that
+        hold no loss (so a token-weighted mean over ranks is the global mean)."""
+
 
 class LocalExecutor:
     """Single process: the reference every parallel layout is compared against."""
@@ -92,6 +97,14 @@ class LocalExecutor:
     def grad_norm(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
         device = next(iter(grads.values())).device if grads else torch.device("cpu")
         return torch.linalg.vector_norm(norm_vector(grads, self.index, len(self.index), device))
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 loss_fn: LossFn) -> tuple[torch.Tensor, int]:
+        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
+        for index in range(inputs.shape[0]):
+            total = total + loss_fn(self.model(inputs[index]), targets[index])
+        return total / inputs.shape[0], targets.numel()
 
     def iteration_stats(self, loss_sum: torch.Tensor, microbatches: int) -> IterationStats:
         moe_layers = self.model.moe_layers().values()

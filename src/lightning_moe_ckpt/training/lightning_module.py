@@ -1,10 +1,13 @@
 """LightningModule for the Trainer path.
 
 The module uses manual optimization: one ``training_step`` is one full iteration over all
-micro-batches (forward/backward per micro-batch, gradient scaling, clipping, optimizer and
-LR-scheduler step) run by :func:`~lightning_moe_ckpt.training.core.train_iteration`. That
-is what lets a pipeline schedule own forward and backward later, and it keeps the Trainer
-path bitwise identical to the Fabric loop, which calls the same function.
+micro-batches (forward/backward, possibly through a pipeline schedule, gradient sync,
+clipping, optimizer and LR-scheduler step) run by its
+:class:`~lightning_moe_ckpt.training.engine.TrainingEngine`. ``configure_model`` asks the
+Trainer's strategy for the engine when it is a ``MoEParallelStrategy`` (a rank's share of
+a pp x dp x ep layout) and builds the single-process engine otherwise. The data loaders
+come from the seekable sampler, sharded by the strategy's data shard, so the module keeps
+the data position equal to the optimizer step on every rank.
 """
 
 from __future__ import annotations
@@ -12,33 +15,55 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-import torch
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_moe_ckpt.training.core import language_model_loss
+from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.history import TrainingHistory, ValidationRecord
 from lightning_moe_ckpt.training.settings import RunSettings
-from lightning_moe_ckpt.training.telemetry import ValidationMetrics, step_log_values
+from lightning_moe_ckpt.training.telemetry import ValidationMetrics, evaluate, step_log_values
 
 
 class MoELanguageModule(L.LightningModule):
     """Trains a :class:`~lightning_moe_ckpt.models.MoETransformer` on next-byte prediction."""
 
-    def __init__(self, settings: RunSettings, history: TrainingHistory | None = None) -> None:
+    def __init__(self, settings: RunSettings, history: TrainingHistory | None = None,
+                 data: RunData | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.settings = settings
-        self.engine: TrainingEngine | None = None
         self.history = history if history is not None else TrainingHistory()
+        self.engine: TrainingEngine | None = None
+        self.data_shard = 0
+        self._data = data
         self.val_metrics = ValidationMetrics()
+        self._layer_ids = list(range(settings.model.n_layers))
 
     @override
     def configure_model(self) -> None:
         if self.engine is not None:
             return
-        self.engine = TrainingEngine.local(self.settings)
+        strategy = self.trainer.strategy
+        build_engine = getattr(strategy, "build_engine", None)
+        if build_engine is not None:  # MoEParallelStrategy
+            self.engine = build_engine(self.settings)
+            self.data_shard = strategy.core.data_shard  # type: ignore[attr-defined]
+        else:
+            self.engine = TrainingEngine.local(self.settings)
         self.model = self.engine.model
-        self._layer_ids = list(range(self.settings.model.n_layers))
+
+    def _engine(self) -> TrainingEngine:
+        if self.engine is None:
+            raise RuntimeError("configure_model() has not run: attach the module to a Trainer")
+        return self.engine
+
+    def run_data(self) -> RunData:
+        """The run's samplers (built on first use when not given)."""
+        if self._data is None:
+            self._data = build_data(self.settings)
+        return self._data
 
     @override
     def configure_optimizers(self) -> Any:
@@ -46,10 +71,17 @@ class MoELanguageModule(L.LightningModule):
         return {"optimizer": engine.optimizer,
                 "lr_scheduler": {"scheduler": engine.scheduler, "interval": "step"}}
 
-    def _engine(self) -> TrainingEngine:
-        if self.engine is None:
-            raise RuntimeError("configure_model() has not run: attach the module to a Trainer")
-        return self.engine
+    @override
+    def train_dataloader(self) -> DataLoader[dict[str, Any]]:
+        dataset = IterationDataset(self.run_data().train, self.settings.max_steps,
+                                   shard=self.data_shard)
+        return DataLoader(dataset, batch_size=None)
+
+    @override
+    def val_dataloader(self) -> DataLoader[dict[str, Any]]:
+        dataset = IterationDataset(self.run_data().val, self.settings.val_batches,
+                                   shard=self.data_shard)
+        return DataLoader(dataset, batch_size=None)
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -63,16 +95,28 @@ class MoELanguageModule(L.LightningModule):
                                                 self.manual_backward, wrapped.step)
         self.history.record(result)
         values = step_log_values(result, self._layer_ids)
-        self.log("train/loss", values.pop("train/loss"), prog_bar=True)
-        self.log_dict(values)
+        self.log("train/loss", values.pop("train/loss"), prog_bar=True, rank_zero_only=True)
+        self.log_dict(values, rank_zero_only=True)
 
     @override
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        inputs, targets = batch
-        self.val_metrics.update(self._engine().model(inputs), targets)
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.val_metrics.update(*self._engine().executor.evaluate(
+            batch["inputs"], batch["targets"], language_model_loss))
 
     @override
     def on_validation_epoch_end(self) -> None:
         loss, perplexity = self.val_metrics.compute_and_reset()
         self.history.validation.append(ValidationRecord(self.global_step, loss, perplexity))
-        self.log_dict({"val/loss": loss, "val/perplexity": perplexity}, prog_bar=True)
+        self.log_dict({"val/loss": loss, "val/perplexity": perplexity}, prog_bar=True,
+                      rank_zero_only=True)
+
+    @override
+    def on_train_end(self) -> None:
+        # Validate the final state unless the last step was a validation step (all ranks
+        # take part: validation runs through the same collectives as training).
+        if not self.history.validation or self.history.validation[-1].step != self.global_step:
+            dataset = IterationDataset(self.run_data().val, self.settings.val_batches,
+                                       shard=self.data_shard)
+            loss, perplexity = evaluate(self._engine().executor, dataset, self.val_metrics)
+            self.history.validation.append(
+                ValidationRecord(self.global_step, loss, perplexity))

@@ -2,16 +2,20 @@
 
 The same functions feed the Trainer's ``self.log_dict`` and Fabric's ``fabric.log_dict``,
 so both front ends write identical CSV columns. Validation loss and perplexity use
-torchmetrics so they aggregate correctly over batches (and later over ranks).
+torchmetrics so they aggregate correctly over batches and ranks.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 from torchmetrics import MeanMetric
-from torchmetrics.text import Perplexity
 
 from lightning_moe_ckpt.training.core import IterationResult, language_model_loss
+from lightning_moe_ckpt.training.executor import Executor
 
 
 def step_log_values(result: IterationResult, layer_ids: list[int]) -> dict[str, torch.Tensor]:
@@ -36,32 +40,28 @@ def step_log_values(result: IterationResult, layer_ids: list[int]) -> dict[str, 
 
 
 class ValidationMetrics:
-    """Token-weighted validation loss and perplexity over a fixed set of batches."""
+    """Token-weighted validation loss (torchmetrics, synchronised over ranks) and its
+    perplexity ``exp(loss)``. Ranks that hold no loss (non-last pipeline stages)
+    contribute weight zero."""
 
     def __init__(self) -> None:
         self.loss = MeanMetric()
-        self.perplexity = Perplexity()
 
-    def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        """Accumulate one batch."""
-        self.loss.update(language_model_loss(logits, targets), weight=targets.numel())
-        self.perplexity.update(logits.float(), targets)
+    def update(self, loss: torch.Tensor, tokens: int) -> None:
+        """Accumulate one batch's mean loss over ``tokens`` tokens."""
+        self.loss.update(loss.detach().float(), weight=float(tokens))
 
     def compute_and_reset(self) -> tuple[float, float]:
         """``(loss, perplexity)`` over everything seen since the last reset."""
-        loss, perplexity = float(self.loss.compute()), float(self.perplexity.compute())
+        loss = float(self.loss.compute())
         self.loss.reset()
-        self.perplexity.reset()
-        return loss, perplexity
+        return loss, math.exp(loss)
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+def evaluate(executor: Executor, batches: Iterable[dict[str, Any]],
              metrics: ValidationMetrics) -> tuple[float, float]:
-    """Validation ``(loss, perplexity)`` of ``model`` on ``batches``."""
-    was_training = model.training
-    model.eval()
-    for inputs, targets in batches:
-        metrics.update(model(inputs), targets)
-    model.train(was_training)
+    """Validation ``(loss, perplexity)`` over iteration-shaped ``batches``."""
+    for batch in batches:
+        metrics.update(*executor.evaluate(batch["inputs"], batch["targets"],
+                                          language_model_loss))
     return metrics.compute_and_reset()

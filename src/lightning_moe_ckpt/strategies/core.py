@@ -1,0 +1,83 @@
+"""What the Fabric and the Trainer ``MoEParallelStrategy`` share: layout, mesh, engine.
+
+The core resolves the layout against the launcher's world size (``dp="auto"`` takes what
+``pp x ep`` leaves), builds the ``("pp", "dp", "ep")`` DeviceMesh once the process group
+exists, and builds each rank's :class:`~lightning_moe_ckpt.training.engine.TrainingEngine`
+for a run. It holds no Lightning state, so both strategy classes stay thin.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.parallel.engine import build_parallel_engine
+from lightning_moe_ckpt.parallel.pipeline import BoundaryHook
+from lightning_moe_ckpt.parallel.topology import MESH_DIMS, SCHEDULES, Coordinates
+from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.training.settings import RunSettings
+
+
+class MoEParallelCore:
+    """Layout, device mesh and engine construction for one rank."""
+
+    def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
+                 schedule: str = "1f1b") -> None:
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.schedule={schedule!r} is unknown; choose one of "
+                              f"{', '.join(SCHEDULES)}")
+        self.pp, self.ep, self.schedule = pp, ep, schedule
+        self.dp: int | str = dp
+        self.mesh: DeviceMesh | None = None
+        self.boundary_hooks: list[BoundaryHook] = []
+
+    def resolve(self, world_size: int) -> None:
+        """Fix ``dp`` and check ``pp x dp x ep`` against the launcher (before launching)."""
+        if self.dp == "auto":
+            if world_size % (self.pp * self.ep):
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by parallel.pp={self.pp} x "
+                    f"parallel.ep={self.ep}")
+            self.dp = world_size // (self.pp * self.ep)
+        if not isinstance(self.dp, int) or self.pp * self.dp * self.ep != world_size:
+            raise ConfigError(
+                f"parallel.pp={self.pp} x parallel.dp={self.dp} x parallel.ep={self.ep} = "
+                f"{self.pp * int(self.dp) * self.ep} processes, but the launcher provides "
+                f"world size {world_size} (devices x nodes)")
+
+    def setup_mesh(self, device_type: str) -> DeviceMesh:
+        """Build the mesh (the default process group must exist)."""
+        assert isinstance(self.dp, int), "resolve() runs before setup_mesh()"
+        self.mesh = init_device_mesh(device_type, (self.pp, self.dp, self.ep),
+                                     mesh_dim_names=MESH_DIMS)
+        return self.mesh
+
+    @property
+    def coordinates(self) -> Coordinates:
+        """This rank's ``(pp, dp, ep)`` position."""
+        if self.mesh is None:
+            raise RuntimeError("the device mesh exists only after the strategy's set-up")
+        pp, dp, ep = (int(c) for c in self.mesh.get_coordinate() or (0, 0, 0))
+        return Coordinates(pp, dp, ep)
+
+    @property
+    def data_shard(self) -> int:
+        """Which data shard this rank reads: the same for every stage of a pipeline."""
+        coords = self.coordinates
+        return coords.dp * self.ep + coords.ep
+
+    def build_engine(self, settings: RunSettings, device: torch.device) -> TrainingEngine:
+        """This rank's engine for ``settings`` (whose layout must match the strategy's; the
+        micro-batch count comes from ``settings.layout``)."""
+        if self.mesh is None:
+            raise RuntimeError("the device mesh exists only after the strategy's set-up")
+        plan = settings.layout
+        wanted = (self.pp, self.dp, self.ep, self.schedule)
+        if (plan.pp, plan.dp, plan.ep, plan.schedule) != wanted:
+            raise ConfigError(
+                f"run settings ask for parallel.pp={plan.pp} parallel.dp={plan.dp} "
+                f"parallel.ep={plan.ep} parallel.schedule={plan.schedule!r}, but the strategy "
+                f"was built with pp={self.pp} dp={self.dp} ep={self.ep} "
+                f"schedule={self.schedule!r}")
+        return build_parallel_engine(settings, self.mesh, device, self.boundary_hooks)

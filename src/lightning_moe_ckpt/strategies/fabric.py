@@ -1,0 +1,141 @@
+"""``MoEParallelStrategy`` for Lightning Fabric (expert + pipeline + data parallel).
+
+Usage::
+
+    fabric = L.Fabric(strategy=MoEParallelStrategy(pp=2, ep=2), devices=4, accelerator="cpu")
+    fabric.launch()
+    engine = fabric.strategy.build_engine(settings)
+
+One machine: ``devices=N`` re-runs the script N-1 times through Lightning's subprocess
+launcher. Several machines: start the script under ``torchrun`` or SLURM as for any
+Lightning job; the launcher then creates no processes. The launcher is always attached
+(as ``DDPStrategy`` does) so every process gets the same torch thread count, which CPU
+bitwise reproducibility depends on. Layout errors are raised in ``Fabric(...)``, before any
+process is started. Gradient sync is done by the engine, so modules are not wrapped.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torch import nn
+from typing_extensions import override
+
+from lightning_moe_ckpt.strategies.core import MoEParallelCore
+from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.training.settings import RunSettings
+
+STRATEGY_NAME = "moe_parallel"
+
+
+class MoEParallelStrategy(ParallelStrategy):
+    """Fabric strategy running a :class:`TrainingEngine` per rank over a pp x dp x ep mesh."""
+
+    def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
+                 schedule: str = "1f1b", process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
+        super().__init__()
+        self.core = MoEParallelCore(pp, dp, ep, schedule)
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        """Machines in the job."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this machine."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every stage of one pipeline reads the same shard; shards are the dp x ep ranks.
+        return {"num_replicas": int(self.core.dp) * self.core.ep, "rank": self.core.data_shard}
+
+    def build_engine(self, settings: RunSettings) -> TrainingEngine:
+        """This rank's training engine (call after ``fabric.launch()``)."""
+        return self.core.build_engine(settings, self.root_device)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self.core.resolve(self.num_nodes * self.num_processes)
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment,
+                                                   self.num_processes, self.num_nodes)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes
+                                                     + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._set_world_ranks()
+        backend = (self._process_group_backend
+                   or _get_default_process_group_backend_for_device(self.root_device))
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self.core.setup_mesh(self.root_device.type)
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return module
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        module.to(self.root_device)
+
+    @override
+    def all_reduce(self, tensor: torch.Tensor, group: Any | None = None,
+                   reduce_op: Any | None = "mean") -> torch.Tensor:
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if STRATEGY_NAME not in strategy_registry:
+            strategy_registry.register(STRATEGY_NAME, cls,
+                                       description="MoE expert + pipeline + data parallel")

@@ -1,0 +1,138 @@
+"""``MoEParallelStrategy`` for the Lightning Trainer (expert + pipeline + data parallel).
+
+Usage::
+
+    trainer = L.Trainer(strategy=MoEParallelStrategy(pp=2, ep=2), devices=4,
+                        accelerator="cpu", use_distributed_sampler=False)
+    trainer.fit(MoELanguageModule(settings))
+
+The LightningModule must use manual optimization: Lightning's automatic optimization runs
+``training_step``, then ``zero_grad``, then ``backward``, which would wipe the gradients a
+pipeline schedule produced inside ``training_step`` (and non-last stages have no loss to
+return). :class:`~lightning_moe_ckpt.training.MoELanguageModule` does so: each
+``training_step`` runs one full iteration through the engine that its ``configure_model``
+obtains from :meth:`MoEParallelStrategy.build_engine`. Data loaders come from the module's
+own seekable sampler, sharded by :attr:`MoEParallelCore.data_shard`; pass
+``use_distributed_sampler=False`` (Lightning's injected sampler would shuffle). Launching
+works as for the Fabric strategy: ``devices=N`` on one machine, torchrun/SLURM across
+machines.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+from lightning_moe_ckpt.strategies.core import MoEParallelCore
+from lightning_moe_ckpt.strategies.fabric import STRATEGY_NAME
+from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.training.settings import RunSettings
+
+
+class MoEParallelStrategy(ParallelStrategy):
+    """Trainer strategy running a :class:`TrainingEngine` per rank over a pp x dp x ep mesh."""
+
+    def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
+                 schedule: str = "1f1b", process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
+        super().__init__()
+        self.core = MoEParallelCore(pp, dp, ep, schedule)
+        self.num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this machine."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always distributed (read by Lightning's data connector)."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": int(self.core.dp) * self.core.ep, "rank": self.core.data_shard}
+
+    def build_engine(self, settings: RunSettings) -> TrainingEngine:
+        """This rank's training engine (called from the module's ``configure_model``)."""
+        return self.core.build_engine(settings, self.root_device)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self.core.resolve(self.num_nodes * self.num_processes)
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment,
+                                                   self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        """Global rank and world size from node rank, local rank and process count."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes
+                                                     + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        backend = (self._process_group_backend
+                   or _get_default_process_group_backend_for_device(self.root_device))
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self.core.setup_mesh(self.root_device.type)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None,
+               reduce_op: Any | None = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if STRATEGY_NAME not in strategy_registry:
+            strategy_registry.register(STRATEGY_NAME, cls,
+                                       description="MoE expert + pipeline + data parallel")
