@@ -12,7 +12,7 @@ import json
 import hydra
 from omegaconf import DictConfig
 
-from lightning_moe_ckpt.training import run_training
+from lightning_moe_ckpt.runner import run_training
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base=None)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe_ckpt.data import (
     BatchLayout,
@@ -70,3 +70,12 @@ def build_data(settings: RunSettings) -> RunData:
     seq_len = settings.data.seq_len
     return RunData(corpus, SeekableSampler(corpus.train, seq_len, layout, settings.seed),
                    validation_sampler(corpus.val, seq_len, layout, settings.seed))
+
+
+def build_dataloaders(settings: RunSettings, shard: int = 0
+                      ) -> tuple[DataLoader[dict[str, Any]], DataLoader[dict[str, Any]]]:
+    """``(train, validation)`` loaders of one data shard; train item ``t`` is iteration ``t``."""
+    data = build_data(settings)
+    train = IterationDataset(data.train, settings.max_steps, shard=shard)
+    val = IterationDataset(data.val, settings.val_batches, shard=shard)
+    return DataLoader(train, batch_size=None), DataLoader(val, batch_size=None)

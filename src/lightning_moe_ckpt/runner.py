@@ -19,7 +19,6 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
@@ -49,15 +48,6 @@ class TrainedState:
     global_rank: int
     data_shard: int = 0
     strategy_core: Any = None
-
-
-def build_dataloaders(settings: RunSettings, shard: int = 0
-                      ) -> tuple[DataLoader[dict[str, Any]], DataLoader[dict[str, Any]]]:
-    """``(train, validation)`` loaders of one data shard; train item ``t`` is iteration ``t``."""
-    data = build_data(settings)
-    train = IterationDataset(data.train, settings.max_steps, shard=shard)
-    val = IterationDataset(data.val, settings.val_batches, shard=shard)
-    return DataLoader(train, batch_size=None), DataLoader(val, batch_size=None)
 
 
 def _launch_settings(settings: RunSettings) -> dict[str, Any]:
