@@ -1,0 +1,181 @@
+"""ETTR: the paper's analytic formula, the oracle interval sweep, and Monte-Carlo runs.
+
+Analytic (paper §2.4 / Appendix C), failures a Poisson process of rate ``1 / MTBF``::
+
+    ETTR = 1 / (1 + T_ckpt / (T_iter x interval)) x 1 / (1 + E[R] / MTBF)
+
+For a policy whose parameters change after failures (MoC raising K) the analytic value
+follows the expected trajectory: one cycle of ``MTBF`` working time plus ``E[R]`` per
+failure, each cycle in the regime then in force. Monte-Carlo runs the same renewal
+process with random failures: working periods are exponential with mean MTBF (failures
+strike working time, as the formula assumes), every recovery is drawn from the policy's
+recovery model, and a run's ETTR is its useful time over its wall time. A failure trace
+(times in seconds) replaces the exponential draws; a failure during a recovery restarts
+that recovery. Results carry the mean and the spread over runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lightning_moe_ckpt.errors import require
+
+if TYPE_CHECKING:
+    from lightning_moe_ckpt.sim.regime import Policy
+
+
+def ettr_formula(stall_s: float, iteration_s: float, interval: Any, expected_recovery_s: Any,
+                 mtbf_s: float) -> Any:
+    """Paper §2.4: runtime-overhead factor times recovery-overhead factor. ``interval`` and
+    ``expected_recovery_s`` may be arrays (one ETTR per candidate interval)."""
+    require(mtbf_s > 0, f"MTBF must be > 0 seconds, got {mtbf_s}")
+    runtime = 1.0 / (1.0 + stall_s / (iteration_s * interval))
+    return runtime / (1.0 + expected_recovery_s / mtbf_s)
+
+
+def oracle_interval(ettr_of: Callable[[np.ndarray], np.ndarray],
+                    max_interval: int) -> tuple[int, float]:
+    """The interval in ``1..max_interval`` with the highest ETTR (hindsight: Gemini's oracle,
+    paper §5.2), and that ETTR; ties go to the shorter interval. ``ettr_of`` maps an array
+    of intervals to their ETTRs."""
+    require(max_interval >= 1, f"max_interval={max_interval} must be >= 1")
+    intervals = np.arange(1, max_interval + 1)
+    values = np.asarray(ettr_of(intervals), dtype=float)
+    best = int(np.argmax(values))  # first maximum: the shortest interval
+    return int(intervals[best]), float(values[best])
+
+
+@dataclass(frozen=True)
+class AnalyticResult:
+    ettr: float
+    failures: float  # expected failures in the run
+    total_recovery_s: float  # expected recovery time summed over the run
+    final_note: str  # the regime in force at the end (e.g. MoC's final K)
+
+
+def analytic_ettr(policy: Policy, mtbf_s: float, run_s: float) -> AnalyticResult:
+    """Expected ETTR of ``policy`` over a run of ``run_s`` seconds.
+
+    A renewal cycle is ``MTBF`` of work (slowed by the runtime overhead) plus one expected
+    recovery; the run holds ``run_s / cycle`` of them, the last one fractionally. With a
+    single regime this is exactly the §2.4 formula; a dynamic policy moves to its next
+    regime after each cycle's failure.
+    """
+    require(mtbf_s > 0, f"MTBF must be > 0 seconds, got {mtbf_s}")
+    state = policy.initial_state()
+    regime = policy.regime(state)
+    if not policy.dynamic:
+        recovery = regime.recovery.expected_s
+        failures = run_s / (mtbf_s + recovery)
+        ettr = ettr_formula(regime.stall_s, regime.iteration_s, regime.interval, recovery,
+                            mtbf_s)
+        return AnalyticResult(float(ettr), failures, failures * recovery, regime.note)
+    elapsed, useful, recovering, failures = 0.0, 0.0, 0.0, 0.0
+    while elapsed < run_s:
+        regime = policy.regime(state)
+        recovery = regime.recovery.expected_s
+        cycle = mtbf_s + recovery
+        weight = min(1.0, (run_s - elapsed) / cycle)  # the last cycle may be cut short
+        useful += weight * mtbf_s / (1.0 + regime.overhead)
+        recovering += weight * recovery
+        failures += weight
+        elapsed += weight * cycle
+        state = policy.after_failure(state, None)
+    return AnalyticResult(useful / run_s, failures, recovering, regime.note)
+
+
+@dataclass(frozen=True)
+class MonteCarloResult:
+    """ETTR and recovery statistics over independent runs."""
+
+    ettr: np.ndarray  # one value per run
+    total_recovery_s: np.ndarray
+    failures: np.ndarray
+
+    @property
+    def mean(self) -> float:
+        return float(self.ettr.mean())
+
+    @property
+    def std(self) -> float:
+        return float(self.ettr.std(ddof=1)) if self.ettr.size > 1 else 0.0
+
+    @property
+    def stderr(self) -> float:
+        return self.std / np.sqrt(max(self.ettr.size, 1))
+
+    def percentile(self, q: float) -> float:
+        return float(np.percentile(self.ettr, q))
+
+
+def _static_runs(policy: Policy, mtbf_s: float, run_s: float, runs: int,
+                 rng: np.random.Generator) -> MonteCarloResult:
+    """Vectorised renewal process for a policy whose regime never changes."""
+    regime = policy.regime(policy.initial_state())
+    # Draw failure cycles until every run outlasts run_s (one extension is almost never
+    # needed: the first batch covers the mean count plus eight standard deviations).
+    cycles = int(run_s / mtbf_s + 8 * np.sqrt(run_s / mtbf_s + 1) + 16)
+    work = np.empty((runs, 0))
+    recovery = np.empty((runs, 0))
+    while work.shape[1] == 0 or (work + recovery).sum(axis=1).min() < run_s:
+        work = np.hstack([work, rng.exponential(mtbf_s, size=(runs, cycles))])
+        drawn, _ = regime.recovery.sample(rng, runs * cycles)
+        recovery = np.hstack([recovery, drawn.reshape(runs, cycles)])
+    ends = np.cumsum(work + recovery, axis=1)
+    starts = ends - work - recovery
+    worked = np.clip(run_s - starts, 0.0, work)
+    recovering = np.clip(run_s - starts - work, 0.0, recovery)
+    failed = (starts + work) < run_s
+    useful = worked.sum(axis=1) / (1.0 + regime.overhead)
+    return MonteCarloResult(useful / run_s, recovering.sum(axis=1), failed.sum(axis=1))
+
+
+def monte_carlo_ettr(policy: Policy, mtbf_s: float, run_s: float, runs: int,
+                     rng: np.random.Generator) -> MonteCarloResult:
+    """ETTR over ``runs`` runs of ``run_s`` seconds with Poisson failures."""
+    require(mtbf_s > 0, f"MTBF must be > 0 seconds, got {mtbf_s}")
+    require(runs >= 1, f"Monte-Carlo runs={runs} must be >= 1")
+    if not policy.dynamic:
+        return _static_runs(policy, mtbf_s, run_s, runs, rng)
+    ettr, totals, counts = np.empty(runs), np.empty(runs), np.empty(runs)
+    for run in range(runs):
+        state, elapsed, useful, recovering, count = policy.initial_state(), 0.0, 0.0, 0.0, 0
+        while True:
+            regime = policy.regime(state)
+            work = min(rng.exponential(mtbf_s), run_s - elapsed)
+            useful += work / (1.0 + regime.overhead)
+            elapsed += work
+            if elapsed >= run_s:
+                break
+            recovery = min(regime.recovery.sample_one(rng), run_s - elapsed)
+            recovering, elapsed, count = recovering + recovery, elapsed + recovery, count + 1
+            state = policy.after_failure(state, rng)
+        ettr[run], totals[run], counts[run] = useful / run_s, recovering, count
+    return MonteCarloResult(ettr, totals, counts)
+
+
+def trace_ettr(policy: Policy, failure_times_s: Sequence[float], run_s: float,
+               rng: np.random.Generator, runs: int = 1) -> MonteCarloResult:
+    """ETTR when failures strike at the given wall-clock times (a failure trace). Recovery
+    costs are still random (where in the checkpoint cycle each failure lands)."""
+    times = sorted(float(t) for t in failure_times_s if 0 <= t < run_s)
+    ettr, totals, counts = np.empty(runs), np.empty(runs), np.empty(runs)
+    for run in range(runs):
+        state, resume, useful, recovering = policy.initial_state(), 0.0, 0.0, 0.0
+        for at in times:
+            regime = policy.regime(state)
+            if at >= resume:  # failure during work: bank the work done since resuming
+                useful += (at - resume) / (1.0 + regime.overhead)
+            else:  # failure during a recovery: that recovery starts over
+                recovering -= min(resume, run_s) - at
+            resume = at + regime.recovery.sample_one(rng)
+            recovering += min(resume, run_s) - at
+            state = policy.after_failure(state, rng)
+        regime = policy.regime(state)
+        useful += max(run_s - resume, 0.0) / (1.0 + regime.overhead)
+        ettr[run], totals[run], counts[run] = useful / run_s, recovering, len(times)
+    return MonteCarloResult(ettr, totals, counts)

@@ -1,0 +1,146 @@
+"""One simulated training job: model, plan, cluster and precision wired into cost models.
+
+:func:`build_job` validates the combination (raising :class:`ConfigError` with the config
+key), draws the expert popularity, derives the operators and pipeline stages and times the
+fault-free iteration. :class:`SimJob` then answers the byte and bandwidth questions every
+checkpoint policy asks: how much state a GPU holds, how fast it can reach host memory, a
+peer's host memory or durable storage, and how much the upstream log adds per iteration.
+The stage whose GPUs hold the most state bounds every checkpoint transfer.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_moe_ckpt.errors import require
+from lightning_moe_ckpt.models.config import MoEModelConfig
+from lightning_moe_ckpt.sim.inputs import ClusterSpec, ParallelPlan, PrecisionSpec
+from lightning_moe_ckpt.sim.iteration import IterationModel, IterationTime
+from lightning_moe_ckpt.sim.popularity import sample_shares
+from lightning_moe_ckpt.sim.profile import MeasuredProfile
+from lightning_moe_ckpt.sim.workload import OperatorCost, Stage, build_operators, split_stages
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything that defines a simulated job; ``key`` prefixes error messages."""
+
+    model: MoEModelConfig
+    plan: ParallelPlan
+    cluster: ClusterSpec
+    precision: PrecisionSpec
+    replicas: int = 2  # peer copies of in-memory checkpoints (paper §4: r = 2)
+    popularity_alpha: float | None = None  # Dirichlet alpha; None = balanced routing
+    popularity_seed: int = 0
+    grad_sync_overlap: float = 0.0
+    restart_s: float = 0.0  # failure detection + replacement, equal for every policy
+    profile: MeasuredProfile | None = None
+    key: str = "sim"
+
+
+@dataclass
+class SimJob:
+    """A built job: operators, stages, iteration time, and checkpoint transfer rates."""
+
+    spec: JobSpec
+    shares: np.ndarray
+    operators: tuple[OperatorCost, ...]
+    stages: tuple[Stage, ...]
+    timing: IterationModel
+
+    @property
+    def time(self) -> IterationTime:
+        return self.timing.time
+
+    @property
+    def iteration_s(self) -> float:
+        return self.time.iteration_s
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        return self.timing.cluster
+
+    @property
+    def plan(self) -> ParallelPlan:
+        return self.spec.plan
+
+    @property
+    def overlap_window_s(self) -> float:
+        """Time a snapshot of step t may take before step t+1's optimizer overwrites it."""
+        return max(self.iteration_s - self.time.update_s, 0.0)
+
+    # -- state sizes -----------------------------------------------------------------
+    @functools.cached_property
+    def total_params(self) -> int:
+        return sum(op.numel for op in self.operators)
+
+    @functools.cached_property
+    def dense_bytes_total(self) -> float:
+        """Master weights + optimizer state of the whole model (one dense checkpoint)."""
+        return sum(op.master_state_bytes for op in self.operators)
+
+    @functools.cached_property
+    def dense_bytes_per_gpu(self) -> float:
+        """One dense checkpoint's share on a GPU of the largest stage."""
+        return max(stage.master_state_per_gpu for stage in self.stages)
+
+    @property
+    def node_gpus(self) -> int:
+        return min(self.cluster.gpus_per_node, self.plan.world_size)
+
+    @functools.cached_property
+    def log_bytes_per_iteration(self) -> float:
+        """Upstream log one GPU writes per iteration: the activation it sends downstream
+        and the gradient it sends upstream, per micro-batch (paper §3.4)."""
+        model, plan = self.spec.model, self.plan
+        per_message = plan.tokens_per_rank * model.d_model * self.spec.precision.activation_bytes
+        directions = 0 if plan.pp == 1 else 2
+        return plan.microbatches * per_message * directions
+
+    # -- transfer times --------------------------------------------------------------
+    def to_host_s(self, nbytes: float) -> float:
+        """GPU to its own host memory over PCIe."""
+        return nbytes / self.cluster.pcie_bytes_per_s
+
+    def to_peers_s(self, nbytes: float) -> float:
+        """Replicating ``nbytes`` of one GPU to ``replicas`` peers' host memory."""
+        return nbytes * self.spec.replicas / self.cluster.host_copy_per_gpu
+
+    def node_fetch_s(self, nbytes_per_gpu: float) -> float:
+        """A replacement node pulling ``nbytes_per_gpu`` for each of its GPUs from peers."""
+        return nbytes_per_gpu * self.node_gpus / self.cluster.host_copy_per_node
+
+    def storage_s(self, nbytes_total: float) -> float:
+        """Moving ``nbytes_total`` between the cluster and durable storage."""
+        return nbytes_total / self.cluster.storage_bytes_per_s
+
+    def node_storage_s(self, nbytes_per_gpu: float) -> float:
+        """A replacement node reading its GPUs' state back from durable storage."""
+        rate = min(self.cluster.storage_bytes_per_s, self.cluster.host_copy_per_node)
+        return nbytes_per_gpu * self.node_gpus / rate
+
+
+def build_job(spec: JobSpec) -> SimJob:
+    """Validate ``spec`` and build the job's operators, stages and timing."""
+    key = spec.key
+    spec.plan.check_model(spec.model, key)
+    require(isinstance(spec.replicas, int) and spec.replicas >= 0,
+            f"{key}.replicas={spec.replicas} must be an integer >= 0")
+    require(0.0 <= spec.grad_sync_overlap < 1.0,
+            f"{key}.grad_sync_overlap={spec.grad_sync_overlap} must be in [0, 1)")
+    require(spec.restart_s >= 0, f"{key}.restart_s={spec.restart_s} must be >= 0")
+    cluster = spec.cluster
+    if spec.profile is not None:
+        spec.profile.check_plan(spec.model.name, spec.plan.pp, spec.plan.microbatches,
+                                "sim.profile")
+        cluster = spec.profile.apply_bandwidths(cluster)
+    rng = np.random.default_rng(spec.popularity_seed)
+    shares = sample_shares(spec.popularity_alpha, spec.model.n_layers, spec.model.n_experts, rng)
+    operators = build_operators(spec.model, spec.precision, spec.plan.seq_len, shares)
+    stages = split_stages(operators, spec.plan, spec.model.n_layers)
+    timing = IterationModel(spec.model, stages, spec.plan, cluster, spec.precision,
+                            spec.profile, spec.grad_sync_overlap)
+    return SimJob(spec, shares, operators, stages, timing)

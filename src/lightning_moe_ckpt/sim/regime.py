@@ -1,0 +1,70 @@
+"""What a checkpoint policy costs: the :class:`Regime` and the :class:`Policy` interface.
+
+A regime is a policy's behaviour while its parameters stay fixed: how often it starts a
+checkpoint (``interval``), how many iterations one complete checkpoint spans (``window``:
+MoEvement's ``W_sparse``, 1 for dense checkpoints), the stall each checkpoint adds beyond
+what overlaps with training (``T_ckpt`` of the ETTR formula), and the recovery model.
+Most policies have one regime for the whole run. MoC changes regime after failures (its
+lost-token budget forces more experts per snapshot), so a policy exposes a state that
+:meth:`Policy.after_failure` advances; ``rng=None`` asks for the expected transition.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_moe_ckpt.sim.recovery import RecoveryModel
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A policy's checkpoint cadence, stall and recovery while its parameters hold."""
+
+    interval: int  # iterations between checkpoint starts
+    window: int  # iterations one complete checkpoint spans
+    stall_s: float  # stall per checkpoint beyond the overlap with training
+    iteration_s: float  # fault-free iteration time
+    recovery: RecoveryModel
+    snapshot_bytes_per_gpu: float  # largest single snapshot a GPU moves
+    note: str = ""
+
+    @property
+    def overhead(self) -> float:
+        """Runtime overhead fraction: ``T_ckpt / (T_iter x interval)``."""
+        return self.stall_s / (self.iteration_s * self.interval)
+
+    @property
+    def overhead_s_per_iteration(self) -> float:
+        return self.stall_s / self.interval
+
+
+class Policy(ABC):
+    """A checkpoint policy planned for one job (and, where it depends on it, one MTBF)."""
+
+    name: str = ""
+    dynamic: bool = False  # whether failures change the regime
+
+    def initial_state(self) -> object:
+        return None
+
+    @abstractmethod
+    def regime(self, state: object) -> Regime:
+        """The regime in force in ``state``."""
+
+    def after_failure(self, state: object, rng: np.random.Generator | None) -> object:
+        """State after one more failure (expected transition when ``rng`` is None)."""
+        return state
+
+
+class StaticPolicy(Policy):
+    """A policy with a single regime."""
+
+    def __init__(self, name: str, regime: Regime) -> None:
+        self.name = name
+        self._regime = regime
+
+    def regime(self, state: object) -> Regime:
+        return self._regime

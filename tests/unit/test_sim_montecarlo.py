@@ -1,0 +1,128 @@
+"""Monte-Carlo ETTR against the analytic value, failure traces, and MoC's Dynamic-K."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.models.config import MoEModelConfig
+from lightning_moe_ckpt.sim import (
+    ClusterSpec,
+    JobSpec,
+    ParallelPlan,
+    SimJob,
+    analytic_ettr,
+    build_job,
+    load_failure_trace,
+    make_policy,
+    monte_carlo_ettr,
+    trace_ettr,
+)
+from lightning_moe_ckpt.sim.inputs import parse_precision
+from lightning_moe_ckpt.sim.partial_policies import MoCPolicy, MoCState
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+RUN_S = 12 * 3600.0
+
+
+@functools.cache
+def job(name: str, pp: int, dp: int) -> SimJob:
+    cluster = ClusterSpec.from_mapping(OmegaConf.load(CONF / "hardware/a100.yaml").cluster,
+                                       name="a100")
+    model = MoEModelConfig.from_mapping(
+        OmegaConf.to_container(OmegaConf.load(CONF / f"model/{name}.yaml")))
+    plan = ParallelPlan(pp=pp, dp=dp, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
+    return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster)))
+
+
+@pytest.mark.parametrize("policy", ["checkfreq", "gemini", "moetion", "moevement"])
+@pytest.mark.parametrize("mtbf_minutes", [60, 10])
+def test_monte_carlo_agrees_with_the_formula(policy: str, mtbf_minutes: int) -> None:
+    simulated = job("deepseek_moe", 12, 1)
+    mtbf = mtbf_minutes * 60.0
+    planned = make_policy(policy, simulated, mtbf, RUN_S)
+    analytic = analytic_ettr(planned, mtbf, RUN_S)
+    carlo = monte_carlo_ettr(planned, mtbf, RUN_S, 300, np.random.default_rng(7))
+    # Within the spread of single runs, and within 4 standard errors of the mean.
+    assert abs(carlo.mean - analytic.ettr) <= carlo.std
+    assert abs(carlo.mean - analytic.ettr) <= 4 * carlo.stderr + 1e-4
+    assert carlo.failures.mean() == pytest.approx(analytic.failures, rel=0.05)
+    assert carlo.total_recovery_s.mean() == pytest.approx(analytic.total_recovery_s, rel=0.08)
+
+
+def test_analytic_run_equals_the_closed_form_for_a_static_policy() -> None:
+    planned = make_policy("gemini", job("deepseek_moe", 12, 1), 1800.0, RUN_S)
+    regime = planned.regime(None)
+    expected = (1 / (1 + regime.overhead)) / (1 + regime.recovery.expected_s / 1800.0)
+    assert analytic_ettr(planned, 1800.0, RUN_S).ettr == pytest.approx(expected, rel=1e-12)
+
+
+def test_moc_monte_carlo_stays_within_its_spread_of_the_expected_trajectory() -> None:
+    planned = make_policy("moc", job("qwen_moe", 6, 2), 1200.0, RUN_S)
+    analytic = analytic_ettr(planned, 1200.0, RUN_S)
+    carlo = monte_carlo_ettr(planned, 1200.0, RUN_S, 200, np.random.default_rng(3))
+    assert abs(carlo.mean - analytic.ettr) <= carlo.std
+
+
+def test_moc_doubles_k_once_the_lost_token_budget_is_spent() -> None:
+    simulated = job("deepseek_moe", 12, 1)
+    policy = MoCPolicy(simulated, RUN_S, lost_token_budget=0.0375, initial_fraction=0.125)
+    state = policy.initial_state()
+    assert state.experts == 8  # 12.5% of 64 experts
+    seen = [state.experts]
+    for _ in range(60):
+        state = policy.after_failure(state, None)
+        seen.append(state.experts)
+    assert seen == sorted(seen)  # K never goes down
+    assert seen[-1] == 64  # frequent failures end in checkpointing every expert
+    first_raise = next(i for i, k in enumerate(seen) if k > 8)
+    spent = sum(policy.expected_lost(8) for _ in range(first_raise))
+    assert spent > policy.budget_iterations
+    # More experts per checkpoint: larger persists, longer rollbacks.
+    assert (policy.regime(MoCState(64, 0.0)).recovery.expected_s
+            > policy.regime(MoCState(8, 0.0)).recovery.expected_s)
+
+
+def test_moc_keeps_k_when_failures_are_rare() -> None:
+    planned = make_policy("moc", job("deepseek_moe", 12, 1), 7200.0, RUN_S)
+    assert analytic_ettr(planned, 7200.0, RUN_S).final_note.startswith("K=8/64")
+
+
+def test_trace_without_failures_costs_only_the_overhead() -> None:
+    planned = make_policy("gemini", job("deepseek_moe", 12, 1), 1800.0, RUN_S)
+    result = trace_ettr(planned, [], RUN_S, np.random.default_rng(0))
+    assert result.mean == pytest.approx(1 / (1 + planned.regime(None).overhead))
+
+
+def test_evenly_spaced_trace_matches_the_formula() -> None:
+    planned = make_policy("moevement", job("deepseek_moe", 12, 1), 1800.0, RUN_S)
+    times = np.arange(1800.0, RUN_S, 1800.0)
+    result = trace_ettr(planned, times, RUN_S, np.random.default_rng(0), runs=50)
+    analytic = analytic_ettr(planned, 1800.0, RUN_S).ettr
+    assert result.mean == pytest.approx(analytic, abs=0.002)
+    assert np.all(result.failures == len(times))
+
+
+def test_failure_trace_files(tmp_path: Path) -> None:
+    as_json = tmp_path / "trace.json"
+    as_json.write_text(json.dumps({"failure_times_s": [900, 60.5, 3600]}))
+    assert load_failure_trace(as_json) == (60.5, 900.0, 3600.0)
+    as_text = tmp_path / "trace.txt"
+    as_text.write_text("# GCP trace\n10\n\n20  # second\n")
+    assert load_failure_trace(as_text) == (10.0, 20.0)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("10\nsoon\n")
+    with pytest.raises(ConfigError, match=r"sim\.failures\.trace.*line 2"):
+        load_failure_trace(bad)
+    with pytest.raises(ConfigError, match="no such failure trace"):
+        load_failure_trace(tmp_path / "missing.json")
+    negative = tmp_path / "negative.json"
+    negative.write_text("[-5]")
+    with pytest.raises(ConfigError, match=">= 0"):
+        load_failure_trace(negative)
