@@ -21,6 +21,7 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from lightning_moe_ckpt.callbacks import SparseCheckpointing
 from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
@@ -48,6 +49,15 @@ class TrainedState:
     global_rank: int
     data_shard: int = 0
     strategy_core: Any = None
+    checkpointing: SparseCheckpointing | None = None
+
+
+def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
+    checkpoint = settings.checkpoint
+    if checkpoint.policy == "none":
+        return None
+    return SparseCheckpointing(checkpoint.policy, checkpoint.replicas,
+                               checkpoint.warmup_iterations, **checkpoint.options)
 
 
 def _launch_settings(settings: RunSettings) -> dict[str, Any]:
@@ -74,6 +84,7 @@ def _csv_logger(settings: RunSettings) -> CSVLogger:
 def _train_with_trainer(settings: RunSettings, data: RunData,
                         history: TrainingHistory) -> TrainedState:
     module = MoELanguageModule(settings, history, data)
+    checkpointing = _checkpointing(settings)
     distributed = settings.layout.world_size > 1
     strategy: Any = (TrainerMoEParallelStrategy(**_strategy_args(settings)) if distributed
                      else "auto")
@@ -84,12 +95,13 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
         num_sanity_val_steps=0, val_check_interval=settings.val_every,
         check_val_every_n_epoch=None, log_every_n_steps=settings.log_every,
         default_root_dir=settings.out_dir, use_distributed_sampler=False,
+        callbacks=[checkpointing] if checkpointing is not None else [],
         **(_launch_settings(settings) if distributed else {"accelerator": "cpu", "devices": 1}),
     )
     trainer.fit(module)
     core = strategy.core if distributed else None
     return TrainedState(module._engine(), trainer.global_step, trainer.global_rank,
-                        module.data_shard, core)
+                        module.data_shard, core, checkpointing)
 
 
 def _train_with_fabric(settings: RunSettings, data: RunData,
@@ -104,6 +116,11 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     engine = strategy.build_engine(settings) if distributed else TrainingEngine.local(settings)
     shard = strategy.core.data_shard if distributed else 0
     _, wrapped_optimizer = fabric.setup(engine.model, engine.optimizer)
+    checkpointing = _checkpointing(settings)
+    if checkpointing is not None:
+        checkpointing.attach(engine, rank=fabric.global_rank, world_size=fabric.world_size,
+                             ranks_per_node=max(1, _launch_settings(settings)["devices"]),
+                             device=fabric.device)
     layer_ids = list(range(settings.model.n_layers))
     metrics = ValidationMetrics()
     train = IterationDataset(data.train, settings.max_steps, shard=shard)
@@ -118,17 +135,22 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
         history.record(result)
         done = step + 1
         if done % settings.log_every == 0:
-            fabric.log_dict(step_log_values(result, layer_ids), step=done - 1)
+            values: dict[str, Any] = dict(step_log_values(result, layer_ids))
+            if checkpointing is not None:
+                values.update(checkpointing.step_values())
+            fabric.log_dict(values, step=done - 1)
             if show:
                 steps.set_postfix(loss=f"{float(result.loss):.3f}")
         if done % settings.val_every == 0 or done == settings.max_steps:
             loss, perplexity = evaluate(engine.executor, val, metrics)
             history.validation.append(ValidationRecord(done, loss, perplexity))
             fabric.log_dict({"val/loss": loss, "val/perplexity": perplexity}, step=done - 1)
+    if checkpointing is not None:
+        checkpointing.close()
     for logger in fabric.loggers:
         logger.finalize("success")
     return TrainedState(engine, settings.max_steps, fabric.global_rank, shard,
-                        strategy.core if distributed else None)
+                        strategy.core if distributed else None, checkpointing)
 
 
 def run_training(cfg: DictConfig) -> dict[str, Any]:
@@ -151,8 +173,10 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         return {}
     assert state is not None
     torch.save(state, out_dir / FINAL_STATE)
-    metrics = write_metrics(out_dir / METRICS, settings, history,
-                            {"data": data.corpus.name,
-                             "data_fingerprint": data.corpus.fingerprint})
+    extra: dict[str, Any] = {"data": data.corpus.name,
+                             "data_fingerprint": data.corpus.fingerprint}
+    if trained.checkpointing is not None:
+        extra.update(trained.checkpointing.metrics(sum(history.iteration_seconds)))
+    metrics = write_metrics(out_dir / METRICS, settings, history, extra)
     plot_training(out_dir / PLOT, history, f"{settings.model.name}, {settings.api}")
     return metrics

@@ -181,3 +181,63 @@ def boundary_hook_check(settings: RunSettings) -> dict[str, Any]:
     dist.all_gather_object(everything, {"calls": dict(calls), "sent": sent,
                                         "received": received})
     return {"ranks": everything}
+
+
+class RoundRobinPlanner:
+    """A minimal planner for coordinator tests: window of ``window`` snapshots, operators
+    dealt round-robin into the turns."""
+
+    name = "round_robin"
+
+    def __init__(self, names: list[str], window: int) -> None:
+        self.names, self.window = names, window
+
+    def observe(self, iteration: int, hard: torch.Tensor, soft: torch.Tensor) -> None:
+        return None
+
+    def plan(self, iteration: int) -> Any:
+        from lightning_moe_ckpt.checkpoint.planners import CapturePlan
+
+        index = iteration % self.window
+        turns = [tuple(self.names[i::self.window]) for i in range(self.window)]
+        later = tuple(n for turn in turns[index + 1:] for n in turn)
+        return CapturePlan(iteration, turns[index], later, iteration - index, index,
+                           self.window, None)
+
+
+def replication_check(settings: RunSettings, steps: int, window: int) -> dict[str, Any]:
+    """Train with snapshots replicated to 2 peers; compare every rank's persisted window
+    with the copies its peers hold, and report host memory over the run."""
+    from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
+    from lightning_moe_ckpt.checkpoint.replication import decode_snapshot
+    from lightning_moe_ckpt.models.transformer import MoETransformer
+    from lightning_moe_ckpt.operators import OperatorRegistry
+
+    engine, _, sampler, shard = _rank_engine(settings)
+    with torch.device("meta"):
+        names = OperatorRegistry(MoETransformer(settings.model)).names
+    coordinator = CheckpointCoordinator(engine, RoundRobinPlanner(names, window), dist.get_rank(),
+                                        dist.get_world_size(), replicas=2, ranks_per_node=1,
+                                        device=torch.device("cpu"))
+    windows_held = []
+    for t in range(steps):
+        engine.train_iteration(*sampler.iteration(t, shard))
+        windows_held.append(len(coordinator.store.windows))
+    coordinator.flush()
+    persisted = coordinator.store.persisted()
+    assert persisted is not None
+    local = {step: {op: {k: v.clone() for k, v in piece.tensors.items()}
+                    for op, piece in snap.pieces.items()}
+             for step, snap in persisted.snapshots.items()}
+    held = {source: {step: decode_snapshot(data)["pieces"]
+                     for step, data in coordinator.replica_window(source,
+                                                                 persisted.start).items()}
+            for source in range(dist.get_world_size())}
+    everything: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, {"local": local, "held": held,
+                                        "start": persisted.start,
+                                        "windows_held": windows_held,
+                                        "peak": coordinator.store.peak_bytes,
+                                        "window_bytes": persisted.nbytes})
+    coordinator.close()
+    return {"ranks": everything}

@@ -134,19 +134,23 @@ class DistributedExecutor:
         n_experts = self.plan.n_experts
         device = loss_sum.device
         load = torch.zeros(self.n_layers, n_experts, device=device)
+        soft = torch.zeros(self.n_layers, n_experts, device=device)
         aux = torch.zeros((), device=device)
         dropped = torch.zeros((), device=device)
         for layer, moe in moe_layers.items():
             load[layer] = moe.gate.hard_counts
+            soft[layer] = moe.gate.soft_counts
             aux = aux + moe.aux_loss_sum
             dropped = dropped + moe.dropped_assignments
         packed = torch.cat([loss_sum.reshape(1), aux.reshape(1), dropped.reshape(1),
-                            load.flatten()])
+                            load.flatten(), soft.flatten()])
         dist.all_reduce(packed, group=self.groups.world)
         scale = self.plan.data_shards * microbatches
+        cells = self.n_layers * n_experts
         return IterationStats(loss=packed[0] / scale, aux_loss=packed[1] / scale,
-                              expert_load=packed[3:].view(self.n_layers, n_experts),
-                              dropped=packed[2])
+                              expert_load=packed[3:3 + cells].view(self.n_layers, n_experts),
+                              dropped=packed[2],
+                              soft_load=packed[3 + cells:].view(self.n_layers, n_experts))
 
 
 def build_parallel_engine(settings: RunSettings, mesh: DeviceMesh, device: torch.device,

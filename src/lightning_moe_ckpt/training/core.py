@@ -39,6 +39,7 @@ class IterationResult:
     lr: float
     expert_load: torch.Tensor  # [layers, experts] tokens routed this iteration
     dropped: torch.Tensor  # assignments dropped by capacity this iteration
+    soft_load: torch.Tensor  # [layers, experts] summed gate probabilities this iteration
 
 
 def build_model(cfg: MoEModelConfig, precision: Precision, seed: int) -> MoETransformer:
@@ -107,4 +108,5 @@ def train_iteration(executor: Executor, optimizer: MasterWeightAdamW, scheduler:
     stats = executor.iteration_stats(loss_sum, microbatches)
     return IterationResult(loss=stats.loss, aux_loss=stats.aux_loss,
                            grad_norm=grad_norm.detach(), clip_coef=coef.detach(), lr=lr,
-                           expert_load=stats.expert_load, dropped=stats.dropped)
+                           expert_load=stats.expert_load, dropped=stats.dropped,
+                           soft_load=stats.soft_load)

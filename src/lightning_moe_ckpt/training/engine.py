@@ -9,7 +9,8 @@ same iteration function.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -28,15 +29,31 @@ from lightning_moe_ckpt.training.executor import Backward, Executor, LocalExecut
 from lightning_moe_ckpt.training.settings import RunSettings
 
 
+class StepHooks(Protocol):
+    """Observers of the optimizer step (the snapshot engine is one)."""
+
+    def before_optimizer_step(self, step: int) -> None:
+        """Called right before optimizer step ``step`` mutates any state."""
+
+    def after_optimizer_step(self, step: int, result: IterationResult) -> None:
+        """Called right after optimizer step ``step`` (and the LR-scheduler step)."""
+
+
 @dataclass
 class TrainingEngine:
-    """Everything one rank needs to run training iterations."""
+    """Everything one rank needs to run training iterations.
+
+    ``step`` counts completed optimizer steps; iteration ``step`` reads data batch
+    ``step`` and performs optimizer step ``step`` (0-based).
+    """
 
     settings: RunSettings
     model: MoETransformer
     optimizer: MasterWeightAdamW
     scheduler: LambdaLR
     executor: Executor
+    step: int = 0
+    hooks: list[StepHooks] = field(default_factory=list)
 
     @classmethod
     def local(cls, settings: RunSettings) -> TrainingEngine:
@@ -63,11 +80,22 @@ class TrainingEngine:
                         clip_coef: torch.Tensor | None = None) -> IterationResult:
         """One optimizer step. ``backward``/``step`` let Lightning wrap them (defaults:
         ``loss.backward()`` and the raw optimizer step)."""
-        return train_iteration(
+        optimizer_step = step if step is not None else self.optimizer.step
+        index = self.step
+
+        def hooked_step() -> None:
+            for hook in self.hooks:
+                hook.before_optimizer_step(index)
+            optimizer_step()
+
+        result = train_iteration(
             self.executor, self.optimizer, self.scheduler, inputs, targets,
-            backward if backward is not None else _plain_backward,
-            step if step is not None else self.optimizer.step,
+            backward if backward is not None else _plain_backward, hooked_step,
             self.settings.optim.max_grad_norm, clip_coef)
+        self.step += 1
+        for hook in self.hooks:
+            hook.after_optimizer_step(index, result)
+        return result
 
 
 def _plain_backward(loss: torch.Tensor) -> None:

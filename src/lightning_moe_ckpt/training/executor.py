@@ -31,8 +31,9 @@ class IterationStats(NamedTuple):
 
     loss: torch.Tensor
     aux_loss: torch.Tensor
-    expert_load: torch.Tensor  # [layers of the full model, experts]
+    expert_load: torch.Tensor  # [layers of the full model, experts] tokens routed (hard)
     dropped: torch.Tensor
+    soft_load: torch.Tensor  # [layers, experts] summed gate probabilities
 
 
 def norm_vector(grads: Mapping[str, torch.Tensor], index: Mapping[str, int],
@@ -113,4 +114,5 @@ class LocalExecutor:
             aux_loss=torch.stack([m.aux_loss_sum for m in moe_layers]).sum() / microbatches,
             expert_load=self.model.expert_load().clone(),
             dropped=torch.stack([m.dropped_assignments for m in moe_layers]).sum(),
+            soft_load=torch.stack([m.gate.soft_counts for m in moe_layers]).clone(),
         )

@@ -8,7 +8,7 @@ value) for anything that cannot run, so bad input fails fast and clearly.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from omegaconf import DictConfig, OmegaConf
@@ -68,6 +68,35 @@ class HardwareSettings:
 
 
 @dataclass(frozen=True)
+class CheckpointSettings:
+    """The ``checkpoint`` group: policy, replication, profiling, and the policy's options."""
+
+    policy: str = "none"
+    replicas: int = 2
+    warmup_iterations: int = 3
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
+    from lightning_moe_ckpt.checkpoint.planners import planner_options
+
+    values = dict(values)
+    policy = str(values.pop("policy", "none"))
+    known = planner_options(policy)  # names checkpoint=<policy> when unknown
+    replicas = values.pop("replicas", 2)
+    warmup = values.pop("warmup_iterations", 3)
+    unknown = sorted(set(values) - known)
+    require(not unknown, f"unknown key(s) {', '.join('checkpoint.' + k for k in unknown)} for "
+                         f"checkpoint={policy}; it accepts "
+                         f"{', '.join(sorted(known | {'replicas', 'warmup_iterations'}))}")
+    require(isinstance(replicas, int) and replicas >= 0,
+            f"{fmt('checkpoint.replicas', replicas)} must be an integer >= 0")
+    require(isinstance(warmup, int) and warmup >= 1,
+            f"{fmt('checkpoint.warmup_iterations', warmup)} must be an integer >= 1")
+    return CheckpointSettings(policy, replicas, warmup, values)
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """Everything one training run needs."""
 
@@ -76,6 +105,7 @@ class RunSettings:
     layout: ParallelPlan
     hardware: HardwareSettings
     optim: OptimSettings
+    checkpoint: CheckpointSettings
     precision: Precision
     api: Api
     seed: int
@@ -138,7 +168,8 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
     api = str(cfg.get("api", "trainer"))
     require(api in ("trainer", "fabric"), f"{fmt('api', api)} must be 'trainer' or 'fabric'")
     settings = RunSettings(
-        model=model, data=data, layout=layout, hardware=hardware, optim=optim, precision=precision,
+        model=model, data=data, layout=layout, hardware=hardware, optim=optim,
+        checkpoint=_checkpoint_settings(_section(cfg, "checkpoint")), precision=precision,
         api=cast(Api, api), seed=int(trainer.get("seed", 0)),
         max_steps=int(trainer.get("max_steps", 200)),
         global_batch=int(trainer.get("global_batch", 16)),

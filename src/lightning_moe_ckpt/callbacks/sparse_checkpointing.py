@@ -1,0 +1,178 @@
+"""``SparseCheckpointing``: per-iteration snapshots as a Lightning callback (Trainer and Fabric).
+
+Trainer: ``L.Trainer(callbacks=[SparseCheckpointing("moevement")], ...)`` with
+:class:`~lightning_moe_ckpt.training.MoELanguageModule`; the callback attaches to the
+module's engine when training starts. Fabric: call :meth:`SparseCheckpointing.attach`
+with the rank's engine after ``fabric.launch()`` and :meth:`SparseCheckpointing.close`
+at the end. The policy is any of ``moevement`` (default), ``gemini``, ``checkfreq``,
+``moc``, ``moetion``, ``none``; its options are the planner's keyword options (unknown ones
+are errors naming ``checkpoint.<key>``).
+
+For ``moevement`` without a forced ``window`` the first ``warmup_iterations`` are profiled
+(iteration time, device-to-host bandwidth) before the first window is planned; all ranks
+agree on the largest W so window boundaries line up. Metrics logged every step:
+snapshot bytes, stall ms, W, reorders, replication lag.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
+from lightning_moe_ckpt.checkpoint.planners import CapturePlan, make_planner, planner_options
+from lightning_moe_ckpt.checkpoint.profiler import IterationProfiler, measure_bandwidth
+from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
+from lightning_moe_ckpt.errors import fmt, require
+from lightning_moe_ckpt.training.engine import TrainingEngine
+
+_BANDWIDTH_PROBE_BYTES = 32 * 2**20
+
+
+def _agree_on_largest(window: int) -> int:
+    value = torch.tensor([window], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value)
+
+
+class _ProfilingHook:
+    """Measures the iteration period and, once warm, hands the planner its profile."""
+
+    def __init__(self, coordinator: CheckpointCoordinator, warmup: int,
+                 device: torch.device) -> None:
+        self.coordinator = coordinator
+        self.profiler = IterationProfiler(warmup_iterations=warmup, skip=1, device=device)
+        self.device = device
+        self.profiler.begin()
+
+    def before_optimizer_step(self, step: int) -> None:
+        return None
+
+    def after_optimizer_step(self, step: int, result: Any) -> None:
+        if self.profiler.done:
+            return
+        self.profiler.end()
+        self.profiler.begin()
+        if self.profiler.done:
+            bandwidth = measure_bandwidth(_BANDWIDTH_PROBE_BYTES, self.device)
+            iteration_s = self.profiler.iteration_time_s
+            assert iteration_s is not None
+            self.coordinator.planner.set_profile(iteration_s, bandwidth)
+            self.coordinator.profile = {"iteration_time_s": iteration_s,
+                                        "bandwidth_bytes_per_s": bandwidth}
+
+
+class SparseCheckpointing(L.Callback):
+    """Sparse (or baseline) per-iteration checkpointing of every rank's state."""
+
+    def __init__(self, policy: str = "moevement", replicas: int = 2,
+                 warmup_iterations: int = 3, **options: Any) -> None:
+        known = planner_options(policy)  # raises for an unknown policy
+        unknown = sorted(set(options) - known)
+        require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)}"
+                             f" for checkpoint={policy}; it accepts "
+                             f"{', '.join(sorted(known)) or 'no options'}")
+        require(replicas >= 0, f"{fmt('checkpoint.replicas', replicas)} must be >= 0")
+        require(warmup_iterations >= 1,
+                f"{fmt('checkpoint.warmup_iterations', warmup_iterations)} must be >= 1")
+        self.policy = policy
+        self.replicas = replicas
+        self.warmup_iterations = warmup_iterations
+        self.options = options
+        self.coordinator: CheckpointCoordinator | None = None
+        self._started = 0.0
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return f"SparseCheckpointing[{self.policy}]"
+
+    def attach(self, engine: TrainingEngine, *, rank: int = 0, world_size: int = 1,
+               ranks_per_node: int = 1, device: torch.device | None = None,
+               copy_delay_s: float = 0.0) -> CheckpointCoordinator:
+        """Start checkpointing ``engine`` (takes the initial dense snapshot now)."""
+        device = device if device is not None else torch.device("cpu")
+        registry = engine.registry
+        options = dict(self.options)
+        accepted = planner_options(self.policy)
+        model = engine.settings.model
+        for key, value in (("n_layers", model.n_layers), ("n_experts", model.n_experts),
+                           ("top_k", model.top_k)):
+            if key in accepted:
+                options.setdefault(key, value)
+        if "window_agreement" in accepted and world_size > 1:
+            options["window_agreement"] = _agree_on_largest
+        planner = make_planner(self.policy, specs_from_registry(registry), **options)
+        initial = CapturePlan(-1, tuple(registry.names), (), -1, 0, 1, None)
+        self.coordinator = CheckpointCoordinator(
+            engine, planner, rank, world_size, self.replicas, ranks_per_node, device,
+            copy_delay_s, initial_plan=initial)
+        if hasattr(planner, "set_profile") and options.get("window") is None:
+            engine.hooks.append(_ProfilingHook(self.coordinator, self.warmup_iterations,
+                                               device))
+        self._started = time.perf_counter()
+        return self.coordinator
+
+    def close(self) -> None:
+        """Finish outstanding copies and replication."""
+        if self.coordinator is not None:
+            self.coordinator.close()
+
+    def metrics(self, train_seconds: float) -> dict[str, Any]:
+        """Checkpoint figures for ``metrics.json`` (empty before :meth:`attach`)."""
+        if self.coordinator is None:
+            return {}
+        figures = self.coordinator.metrics(train_seconds)
+        figures["reorders"] = getattr(self.coordinator.planner, "reorders", 0)
+        figures["profile"] = getattr(self.coordinator, "profile", None)
+        return figures
+
+    def step_values(self) -> dict[str, float]:
+        """Per-step values for the loggers."""
+        coordinator = self.coordinator
+        if coordinator is None or not coordinator.bytes_per_step:
+            return {}
+        replicator = coordinator.replicator
+        return {
+            "checkpoint/snapshot_bytes": float(coordinator.bytes_per_step[-1]),
+            "checkpoint/stall_ms": 1e3 * (coordinator.stall_per_step[-1]
+                                          if coordinator.stall_per_step else 0.0),
+            "checkpoint/window": float(coordinator.current_window or 0),
+            "checkpoint/reorders": float(getattr(coordinator.planner, "reorders", 0)),
+            "checkpoint/replication_lag": float(replicator.lag if replicator else 0),
+            "checkpoint/host_bytes": float(coordinator.store.host_bytes()),
+        }
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = getattr(pl_module, "engine", None)
+        if not isinstance(engine, TrainingEngine):
+            raise TypeError("SparseCheckpointing needs a module with a TrainingEngine "
+                            "(e.g. MoELanguageModule)")
+        self.attach(engine, rank=trainer.global_rank, world_size=trainer.world_size,
+                    ranks_per_node=max(1, trainer.num_devices), device=pl_module.device)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        values = self.step_values()
+        if values:
+            pl_module.log_dict(values, rank_zero_only=True)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.close()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        planner = None if self.coordinator is None else self.coordinator.planner.state_dict()
+        return {"policy": self.policy, "planner": planner}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending_state = state_dict

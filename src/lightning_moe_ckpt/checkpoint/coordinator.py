@@ -1,0 +1,155 @@
+"""Per-rank checkpoint coordinator: planner, snapshot engine, store and replication.
+
+The coordinator is a step hook of the rank's :class:`TrainingEngine`:
+
+* before optimizer step ``t`` it waits for the copies of SS_{t-1} (measured stall);
+* after step ``t`` it feeds the iteration's routing counts to the planner, issues SS_t
+  when the plan asks for one (with the metadata replay needs: step, window and order, LR
+  scheduler, RNG, data position, clip coefficient, learning rate), files it in the store,
+  hands it to the replicator, and promotes/frees windows as replication confirms them.
+
+Before the first step it takes a dense snapshot of the initial state as window ``-1``
+(replicated like any other), so a failure before the first window persists still has an
+exact state to recover from.
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_moe_ckpt.checkpoint.replication import Replicator
+from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, SnapshotEngine, rng_state
+from lightning_moe_ckpt.checkpoint.store import SnapshotStore
+
+if TYPE_CHECKING:
+    from lightning_moe_ckpt.checkpoint.planners import CapturePlan, Planner
+    from lightning_moe_ckpt.training.core import IterationResult
+    from lightning_moe_ckpt.training.engine import TrainingEngine
+
+
+class CheckpointCoordinator:
+    """Drives sparse (or dense) snapshots of one rank around its optimizer steps."""
+
+    def __init__(self, engine: TrainingEngine, planner: Planner, rank: int, world_size: int,
+                 replicas: int, ranks_per_node: int, device: torch.device,
+                 copy_delay_s: float = 0.0, initial_plan: CapturePlan | None = None) -> None:
+        self.engine = engine
+        self.planner = planner
+        self.rank = rank
+        self.pool = HostBufferPool(pin_memory=device.type == "cuda")
+        self.snapshots = SnapshotEngine(engine.registry, engine.optimizer, rank, device,
+                                        self.pool, copy_delay_s)
+        effective = min(replicas, world_size - 1)
+        self.store = SnapshotStore(self.pool, effective)
+        self._acks: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self.replicator = (Replicator(effective, ranks_per_node,
+                                      lambda start, step: self._acks.put((start, step)))
+                           if effective > 0 else None)
+        self.replica_store = None if self.replicator is None else self.replicator.replicas
+        self.bytes_per_step: list[int] = []
+        self.stall_per_step: list[float] = []
+        self.windows_seen: set[int] = set()
+        self.current_window: int | None = None
+        self.profile: dict[str, float] | None = None
+        self._snapshot_taken = False
+        self._period_s: float | None = None
+        self._last_step_end: float | None = None
+        engine.hooks.append(self)
+        if initial_plan is not None:
+            self._take(initial_plan, result=None)
+
+    def before_optimizer_step(self, step: int) -> None:
+        stall = self.snapshots.wait_copies()
+        self.stall_per_step.append(stall)
+        record_overhead = getattr(self.planner, "record_overhead", None)
+        if record_overhead is not None and self._snapshot_taken and self._period_s:
+            # Dense policies adapt their interval to the measured cost of a snapshot.
+            record_overhead(self._period_s, stall)
+
+    def after_optimizer_step(self, step: int, result: IterationResult) -> None:
+        now = time.perf_counter()
+        self._period_s = now - self._last_step_end if self._last_step_end else None
+        self._last_step_end = now
+        self.planner.observe(step, result.expert_load, result.soft_load)
+        plan = self.planner.plan(step)
+        taken = self._take(plan, result) if plan is not None else 0
+        self._snapshot_taken = plan is not None
+        self.bytes_per_step.append(taken)
+        self._drain_acks()
+        self.store.refresh()
+
+    def _take(self, plan: CapturePlan, result: IterationResult | None) -> int:
+        snapshot = self.snapshots.issue(plan, self._metadata(plan, result))
+        self.store.add(snapshot)
+        self.current_window = plan.window
+        self.windows_seen.add(plan.window_start)
+        if self.replicator is not None:
+            self.replicator.submit(snapshot)
+        return snapshot.nbytes
+
+    def _metadata(self, plan: CapturePlan, result: IterationResult | None) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            "step": plan.iteration, "window_start": plan.window_start,
+            "window_index": plan.window_index, "window": plan.window,
+            "schedule": plan.schedule, "data_position": plan.iteration + 1,
+            "lr_scheduler": engine.scheduler.state_dict(), "rng": rng_state(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                             for g in engine.optimizer.param_groups],
+            "clip_coef": None if result is None else result.clip_coef.detach().cpu(),
+            "lr": None if result is None else result.lr,
+        }
+
+    def _drain_acks(self) -> None:
+        while True:
+            try:
+                start, step = self._acks.get_nowait()
+            except queue.Empty:
+                return
+            self.store.mark_replicated(start, step)
+
+    def flush(self) -> None:
+        """Wait for outstanding copies and replication; promote what persisted."""
+        self.snapshots.wait_copies()
+        for record in self.store.windows.values():
+            for snapshot in record.snapshots.values():
+                snapshot.checksummed.wait()
+        if self.replicator is not None:
+            self.replicator.close()
+            self.replicator = None
+        self._drain_acks()
+        self.store.refresh()
+
+    def close(self) -> None:
+        """Flush and stop background threads."""
+        self.flush()
+        self.snapshots.close()
+
+    def replica_window(self, source: int, window_start: int) -> dict[int, torch.Tensor]:
+        """Serialized snapshots of ``source``'s window that this rank holds as a peer."""
+        return {} if self.replica_store is None else self.replica_store.window(source,
+                                                                               window_start)
+
+    def metrics(self, train_seconds: float) -> dict[str, Any]:
+        """Checkpoint figures for ``metrics.json``."""
+        stall_s = sum(self.stall_per_step)
+        steps = max(1, len(self.bytes_per_step))
+        return {
+            "checkpoint_policy": self.planner.name,
+            "checkpoint_overhead_pct": 100.0 * stall_s / train_seconds if train_seconds else 0.0,
+            "stall_ms": 1e3 * stall_s,
+            "stall_ms_per_step": [1e3 * s for s in self.stall_per_step],
+            "snapshot_bytes_per_iter": sum(self.bytes_per_step) / steps,
+            "snapshot_bytes_median": statistics.median(self.bytes_per_step or [0]),
+            "window": self.current_window,
+            "windows_taken": len(self.windows_seen),
+            "persisted_window_start": self.store.persisted_start,
+            "host_snapshot_bytes_peak": self.store.peak_bytes,
+            "host_buffer_bytes": self.pool.allocated_bytes,
+            "replica_bytes": 0 if self.replica_store is None else self.replica_store.nbytes(),
+        }

@@ -1,0 +1,331 @@
+"""Capture planners: which operators each checkpoint policy snapshots after each optimizer step.
+
+Every policy answers the same question through the :class:`Planner` interface: after
+optimizer step ``t``, which operators' master state and which operators' compute weights
+go into the snapshot (a :class:`CapturePlan`), or none at all. The snapshot engine executes
+plans without knowing the policy. Planners see the routers' telemetry through
+:meth:`Planner.observe`, called for iteration ``t`` *before* :meth:`Planner.plan` for
+``t`` (the tokens of iteration ``t`` are in the state captured after step ``t``); the
+telemetry stays on the device and a planner never forces a host sync per iteration.
+Plans name operators from the specs a planner was given (the whole model's or one rank's);
+the engine skips names its rank does not hold.
+
+This module holds the interface, ``moevement`` (:class:`MoEvementPlanner`), ``none`` and
+the factory; the dense baselines are in ``planners_dense`` and the partial-expert ones
+(MoC, MoEtion) in ``planners_partial``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+from typing_extensions import override
+
+from lightning_moe_ckpt.checkpoint.popularity import (
+    PopularityTracker,
+    check_reorder_thresholds,
+    should_reorder,
+)
+from lightning_moe_ckpt.checkpoint.schedule import (
+    OperatorSpec,
+    WindowSchedule,
+    expert_position,
+    plan_window,
+)
+from lightning_moe_ckpt.errors import ConfigError, fmt, require
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """What snapshot SS_t captures."""
+
+    iteration: int  # optimizer step t the snapshot is taken after
+    master: tuple[str, ...]  # operators whose master state is captured
+    compute: tuple[str, ...]  # operators whose compute weights only are captured
+    window_start: int  # first iteration of the window/checkpoint this snapshot belongs to
+    window_index: int  # position inside it (0..W-1); dense policies: 0
+    window: int  # W (dense: 1)
+    schedule: dict[str, Any] | None  # WindowSchedule.to_dict() for moevement, else None
+
+
+class Planner(Protocol):
+    """A checkpoint policy's capture decisions."""
+
+    name: str
+
+    def plan(self, iteration: int) -> CapturePlan | None:
+        """The snapshot to take after optimizer step ``iteration`` (None: no snapshot)."""
+
+    def observe(self, iteration: int, hard_counts: torch.Tensor,
+                soft_counts: torch.Tensor) -> None:
+        """Routing telemetry of ``iteration`` (``[layers, experts]`` device tensors)."""
+
+    def on_recovery(self, iteration: int) -> None:
+        """Training was restored to the state after step ``iteration``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, d: dict[str, Any]) -> None: ...
+
+
+class BasePlanner:
+    """Defaults: telemetry ignored, nothing to save, recovery changes nothing."""
+
+    name = ""
+
+    def plan(self, iteration: int) -> CapturePlan | None:
+        raise NotImplementedError
+
+    def observe(self, iteration: int, hard_counts: torch.Tensor,
+                soft_counts: torch.Tensor) -> None:
+        return None
+
+    def on_recovery(self, iteration: int) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Operators split into non-experts and routed experts, and the counter shape."""
+
+    non_experts: tuple[str, ...]  # kind != "expert": embed, attn, gate, shared_experts, head
+    experts: Mapping[int, Mapping[int, str]]  # layer -> expert index -> name (known ones)
+    n_layers: int  # rows of the routing counters (layer index = row)
+    n_experts: int  # columns
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every operator, non-experts first."""
+        return self.non_experts + tuple(name for layer in sorted(self.experts)
+                                        for _, name in sorted(self.experts[layer].items()))
+
+
+def expert_layout(names: Sequence[str], n_layers: int | None = None,
+                  n_experts: int | None = None) -> ExpertLayout:
+    """Split ``names``; the counter shape defaults to what the expert names imply (pass the
+    model's ``n_layers``/``n_experts`` when ``names`` are one pipeline stage's)."""
+    non_experts: list[str] = []
+    experts: dict[int, dict[int, str]] = {}
+    for name in names:
+        position = expert_position(name)
+        if position is None:
+            non_experts.append(name)
+        else:
+            experts.setdefault(position[0], {})[position[1]] = name
+    layers = 1 + max(experts, default=-1)
+    width = 1 + max((e for per_layer in experts.values() for e in per_layer), default=-1)
+    n_layers = layers if n_layers is None else n_layers
+    n_experts = width if n_experts is None else n_experts
+    require(n_layers >= layers, f"{fmt('model.n_layers', n_layers)} is smaller than the "
+                                f"operators imply ({layers})")
+    require(n_experts >= width, f"{fmt('model.n_experts', n_experts)} is smaller than the "
+                                f"operators imply ({width})")
+    return ExpertLayout(tuple(non_experts), experts, n_layers, n_experts)
+
+
+class NonePlanner(BasePlanner):
+    """``checkpoint=none``: never snapshots."""
+
+    name = "none"
+
+    def __init__(self, specs: Sequence[OperatorSpec] = ()) -> None:
+        del specs
+
+    @override
+    def plan(self, iteration: int) -> CapturePlan | None:
+        return None
+
+
+WindowAgreement = Callable[[int], int]
+
+
+class MoEvementPlanner(BasePlanner):
+    """``checkpoint=moevement``: one sparse snapshot per iteration, W per window.
+
+    Each window's :class:`~lightning_moe_ckpt.checkpoint.schedule.WindowSchedule` is fixed
+    when the window starts and recorded in every plan of the window. At a window boundary
+    the planner reads the popularity tracker once and reorders only if
+    :func:`~lightning_moe_ckpt.checkpoint.popularity.should_reorder` says the frequencies
+    moved enough since the order in force was built. A new profile (:meth:`set_profile`)
+    also takes effect at the next boundary. Without a profile or a forced ``window`` it
+    plans nothing (the engine profiles the first iterations). ``window_agreement`` maps
+    this rank's smallest fitting W to the W all ranks use (e.g. an all-reduce MAX), so
+    window boundaries line up across a recovery group; a larger W is cut by the forced
+    rule, whose snapshots are never larger.
+    """
+
+    name = "moevement"
+
+    def __init__(self, specs: Sequence[OperatorSpec], *, iteration_time_s: float | None = None,
+                 bandwidth_bytes_per_s: float | None = None, window: int | None = None,
+                 popularity: str = "hard", ema_alpha: float = 0.9, top_k: int = 1,
+                 n_layers: int | None = None, n_experts: int | None = None,
+                 capacity_factors: Sequence[Sequence[float]] | torch.Tensor | None = None,
+                 reorder_change_threshold: float = 0.10,
+                 reorder_fraction_threshold: float = 0.25,
+                 window_agreement: WindowAgreement | None = None) -> None:
+        if not specs:
+            raise ValueError("moevement needs at least one operator to checkpoint")
+        check_reorder_thresholds(reorder_change_threshold, reorder_fraction_threshold)
+        if window is not None:
+            require(isinstance(window, int) and 1 <= window <= len(specs),
+                    f"{fmt('checkpoint.window', window)} must be >= 1 and <= the number of "
+                    f"operators to checkpoint ({len(specs)})")
+        self.specs = {spec.name: spec for spec in specs}
+        layout = expert_layout(list(self.specs), n_layers, n_experts)
+        self.tracker = (PopularityTracker(layout.n_layers, layout.n_experts, top_k, popularity,
+                                          ema_alpha, capacity_factors)
+                        if layout.experts else None)
+        self.forced_window = window
+        self.change_threshold = reorder_change_threshold
+        self.fraction_threshold = reorder_fraction_threshold
+        self.window_agreement = window_agreement
+        self.profile: tuple[float, float] | None = None
+        if iteration_time_s is not None and bandwidth_bytes_per_s is not None:
+            self.profile = (float(iteration_time_s), float(bandwidth_bytes_per_s))
+        self.reorders = 0
+        self.schedule: WindowSchedule | None = None
+        self.window_start: int | None = None
+        self._next: int | None = None  # the iteration that continues the current window
+        self._stale = True  # schedule must be rebuilt at the next boundary
+        self._ordered_by: dict[str, float] | None = None
+
+    def set_profile(self, iteration_time_s: float, bandwidth_bytes_per_s: float) -> None:
+        """New measured inputs; used from the next window on."""
+        self.profile = (float(iteration_time_s), float(bandwidth_bytes_per_s))
+        self._stale = True
+
+    @override
+    def observe(self, iteration: int, hard_counts: torch.Tensor,
+                soft_counts: torch.Tensor) -> None:
+        if self.tracker is not None:
+            self.tracker.update(hard_counts, soft_counts)
+
+    @override
+    def plan(self, iteration: int) -> CapturePlan | None:
+        schedule, start = self.schedule, self.window_start
+        if (schedule is None or start is None or self._next != iteration
+                or iteration - start >= schedule.window):
+            if not self._start_window(iteration):
+                return None
+            schedule, start = self.schedule, iteration
+            assert schedule is not None
+        self._next = iteration + 1
+        index = iteration - start
+        return CapturePlan(iteration, schedule.master_at(index), schedule.compute_at(index),
+                           start, index, schedule.window, schedule.to_dict())
+
+    @override
+    def on_recovery(self, iteration: int) -> None:
+        self._next = None  # the next plan starts a fresh window
+
+    def _start_window(self, iteration: int) -> bool:
+        if self.profile is None and self.forced_window is None:
+            return False
+        if self._maybe_reorder():
+            self._stale = True
+        if self._stale or self.schedule is None:
+            self.schedule = self._build()
+            self._stale = False
+        if self.window_agreement is not None:
+            agreed = self.window_agreement(self.schedule.window)
+            if agreed != self.schedule.window:
+                self.schedule = self._build(forced=agreed)
+        self.window_start = iteration
+        return True
+
+    def _build(self, forced: int | None = None) -> WindowSchedule:
+        # Without a profile (forced window only) the budget is unknown: plan against an
+        # infinite one, so `fits` only reflects a profile when there is one.
+        iteration_s, bandwidth = self.profile or (1.0, float("inf"))
+        schedule = plan_window(list(self.specs.values()), iteration_s, bandwidth,
+                               forced if forced is not None else self.forced_window)
+        return schedule if self.profile else replace(schedule, budget_bytes=None)
+
+    def _maybe_reorder(self) -> bool:
+        """Read the tracker (one host copy per window) and adopt its frequencies if they
+        moved past the thresholds relative to the order in force."""
+        if self.tracker is None or self.tracker.iterations == 0:
+            return False
+        current = {name: share for name, share in self.tracker.frequencies().items()
+                   if name in self.specs}
+        previous = self._ordered_by
+        if previous is None:
+            previous = {name: self.specs[name].popularity for name in current}
+        if not should_reorder(previous, current, self.change_threshold,
+                              self.fraction_threshold):
+            return False
+        for name, share in current.items():
+            self.specs[name] = replace(self.specs[name], popularity=share)
+        self._ordered_by = current
+        self.reorders += 1
+        return True
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "popularity": {name: spec.popularity for name, spec in self.specs.items()},
+            "ordered_by": None if self._ordered_by is None else dict(self._ordered_by),
+            "schedule": None if self.schedule is None else self.schedule.to_dict(),
+            "window_start": self.window_start, "next": self._next, "stale": self._stale,
+            "profile": None if self.profile is None else list(self.profile),
+            "reorders": self.reorders,
+            "tracker": None if self.tracker is None else self.tracker.state_dict(),
+        }
+
+    @override
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        for name, share in d["popularity"].items():
+            if name in self.specs:
+                self.specs[name] = replace(self.specs[name], popularity=float(share))
+        self._ordered_by = None if d["ordered_by"] is None else dict(d["ordered_by"])
+        schedule = d["schedule"]
+        self.schedule = None if schedule is None else WindowSchedule.from_dict(schedule)
+        self.window_start, self._next, self._stale = d["window_start"], d["next"], d["stale"]
+        self.profile = None if d["profile"] is None else (d["profile"][0], d["profile"][1])
+        self.reorders = int(d["reorders"])
+        if self.tracker is not None and d["tracker"] is not None:
+            self.tracker.load_state_dict(d["tracker"])
+
+
+def _planner_classes() -> dict[str, Callable[..., BasePlanner]]:
+    # Imported here: those modules import CapturePlan and BasePlanner from this one.
+    from lightning_moe_ckpt.checkpoint.planners_dense import CheckFreqPlanner, GeminiPlanner
+    from lightning_moe_ckpt.checkpoint.planners_partial import MoCPlanner, MoEtionPlanner
+
+    return {"moevement": MoEvementPlanner, "gemini": GeminiPlanner,
+            "checkfreq": CheckFreqPlanner, "moc": MoCPlanner, "moetion": MoEtionPlanner,
+            "none": NonePlanner}
+
+
+PLANNER_NAMES = ("moevement", "gemini", "checkfreq", "moc", "moetion", "none")
+
+
+def planner_options(name: str) -> frozenset[str]:
+    """Keyword options (``checkpoint.<option>`` config keys) policy ``name`` accepts."""
+    classes = _planner_classes()
+    if name not in classes:
+        raise ConfigError(f"{fmt('checkpoint', name)} is not a checkpoint policy; choose one "
+                          f"of {', '.join(PLANNER_NAMES)}")
+    parameters = inspect.signature(classes[name]).parameters
+    return frozenset(p for p, v in parameters.items() if v.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def make_planner(name: str, specs: Sequence[OperatorSpec], **options: Any) -> BasePlanner:
+    """The planner of policy ``name`` over ``specs`` (the operators it may capture)."""
+    known = planner_options(name)
+    unknown = sorted(set(options) - known)
+    require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)} "
+                         f"for checkpoint={name}; it accepts "
+                         f"{', '.join(sorted(known)) or 'no options'}")
+    return _planner_classes()[name](specs, **options)

@@ -1,0 +1,197 @@
+"""Expert popularity for ordering the sparse schedule: the four schemes of paper Appendix B.
+
+A :class:`PopularityTracker` accumulates the routers' per-iteration counters (``[layers,
+experts]`` tensors of hard counts: tokens routed to each expert, and soft counts: summed
+gate probabilities) on their own device, with no host sync per iteration. Only
+:meth:`PopularityTracker.frequencies`, asked once per window boundary, copies to the host.
+Frequencies are in ``[0, 1]`` and keyed by operator name ``layers.{l}.moe.experts.{e}``:
+
+* ``hard``: share of tokens that activate the expert, ``top_k x count / sum(counts)``,
+  over every iteration seen (the paper's activation count over the data);
+* ``soft``: the expert's share of the gate probability mass, likewise cumulative;
+* ``ema``: hard counts under an exponential moving average ``A_t = alpha A_{t-1} +
+  (1 - alpha) count_t`` (normalised by the same average of the layer's total, which cancels
+  the start-up bias), so popularity can follow routing drift;
+* ``capacity``: hard frequency divided by the expert's capacity factor, rescaled by the
+  smallest factor so it stays in ``[0, 1]`` (experts with spare capacity rank earlier).
+
+:func:`should_reorder` is the paper's stability rule: reorder only when at least
+``fraction_threshold`` of the experts moved by more than ``change_threshold`` (relative).
+:class:`HostMirror` is the one-iteration-late host copy the partial-expert planners use to
+make per-iteration choices from device counters without a sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, cast
+
+import torch
+
+from lightning_moe_ckpt.errors import fmt, require
+
+PopularityScheme = Literal["hard", "soft", "ema", "capacity"]
+SCHEMES: tuple[PopularityScheme, ...] = ("hard", "soft", "ema", "capacity")
+
+
+def expert_name(layer: int, expert: int) -> str:
+    """Operator name of routed expert ``expert`` of layer ``layer``."""
+    return f"layers.{layer}.moe.experts.{expert}"
+
+
+def _check_counts(counts: torch.Tensor, shape: tuple[int, int], what: str) -> None:
+    if tuple(counts.shape) != shape:
+        raise ValueError(f"{what} has shape {tuple(counts.shape)}, expected [layers, experts] "
+                         f"= {list(shape)}")
+
+
+class PopularityTracker:
+    """Per-expert activation frequencies from routing telemetry (device-side accumulation)."""
+
+    def __init__(self, n_layers: int, n_experts: int, top_k: int = 1,
+                 scheme: str = "hard", alpha: float = 0.9,
+                 capacity_factors: Sequence[Sequence[float]] | torch.Tensor | None = None,
+                 layer_ids: Sequence[int] | None = None) -> None:
+        require(scheme in SCHEMES, f"{fmt('checkpoint.popularity', scheme)} is not one of "
+                                   f"{', '.join(SCHEMES)}")
+        require(0.0 <= alpha < 1.0, f"{fmt('checkpoint.ema_alpha', alpha)} must be in [0, 1)")
+        require(1 <= top_k <= n_experts,
+                f"model.top_k={top_k} must be in [1, model.n_experts={n_experts}]")
+        self.scheme = cast(PopularityScheme, scheme)
+        self.alpha = float(alpha)
+        self.top_k = top_k
+        self.shape = (n_layers, n_experts)
+        self.layer_ids = list(layer_ids) if layer_ids is not None else list(range(n_layers))
+        if len(self.layer_ids) != n_layers:
+            raise ValueError(f"{len(self.layer_ids)} layer ids for {n_layers} layers")
+        capacity = torch.ones(self.shape, dtype=torch.float64) if capacity_factors is None \
+            else torch.as_tensor(capacity_factors, dtype=torch.float64)
+        _check_counts(capacity, self.shape, "capacity_factors")
+        require(bool((capacity > 0).all()), "every expert capacity factor must be > 0 "
+                                            "(model.capacity_factor / capacity_factors)")
+        # Score A / C rescaled by min(C): same order as the paper's A / C, values <= 1.
+        self._capacity_scale = capacity.min() / capacity
+        self._counts: torch.Tensor | None = None  # cumulative hard, soft, or EMA of hard
+        self.iterations = 0
+
+    def update(self, hard_counts: torch.Tensor, soft_counts: torch.Tensor | None = None) -> None:
+        """Add one iteration's counters (device tensors; nothing leaves the device)."""
+        counts = soft_counts if self.scheme == "soft" else hard_counts
+        if counts is None:
+            raise ValueError("the soft popularity scheme needs soft_counts")
+        _check_counts(counts, self.shape, f"{self.scheme} counts")
+        counts = counts.detach().to(torch.float64)
+        if self._counts is None:
+            self._counts = torch.zeros_like(counts)
+        elif self._counts.device != counts.device:  # restored from a checkpoint elsewhere
+            self._counts = self._counts.to(counts.device)
+        if self.scheme == "ema":
+            self._counts.mul_(self.alpha).add_(counts, alpha=1.0 - self.alpha)
+        else:
+            self._counts.add_(counts)
+        self.iterations += 1
+
+    def frequencies(self) -> dict[str, float]:
+        """Activation frequency per expert in ``[0, 1]`` (one host copy; window boundaries
+        only). All zeros before any routed token."""
+        counts = (self._counts.cpu() if self._counts is not None
+                  else torch.zeros(self.shape, dtype=torch.float64))
+        total = counts.sum(dim=1, keepdim=True)
+        share = torch.where(total > 0, counts / total.clamp(min=1e-300),
+                            torch.zeros_like(counts))
+        if self.scheme != "soft":  # each token activates top_k experts
+            share = share * self.top_k
+        if self.scheme == "capacity":
+            share = share * self._capacity_scale
+        share = share.clamp(0.0, 1.0)
+        return {expert_name(layer, expert): float(share[row, expert])
+                for row, layer in enumerate(self.layer_ids) for expert in range(self.shape[1])}
+
+    def reset(self) -> None:
+        """Forget everything observed."""
+        self._counts, self.iterations = None, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters stay on their device (a clone, no host sync); ``torch.save`` copes."""
+        counts = None if self._counts is None else self._counts.detach().clone()
+        return {"scheme": self.scheme, "alpha": self.alpha, "iterations": self.iterations,
+                "counts": counts}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore counters saved by :meth:`state_dict` of a tracker with the same scheme."""
+        if state["scheme"] != self.scheme:
+            raise ValueError(f"popularity state of scheme {state['scheme']!r} cannot be loaded "
+                             f"into a {self.scheme!r} tracker")
+        counts = state["counts"]
+        self._counts = None if counts is None else counts.detach().clone().to(torch.float64)
+        self.iterations = int(state["iterations"])
+
+
+def check_reorder_thresholds(change_threshold: float, fraction_threshold: float) -> None:
+    """Raise :class:`~lightning_moe_ckpt.errors.ConfigError` for unusable thresholds."""
+    require(change_threshold >= 0,
+            f"{fmt('checkpoint.reorder_change_threshold', change_threshold)} must be >= 0")
+    require(0 < fraction_threshold <= 1,
+            f"{fmt('checkpoint.reorder_fraction_threshold', fraction_threshold)} "
+            "must be in (0, 1]")
+
+
+def should_reorder(previous: Mapping[str, float], current: Mapping[str, float],
+                   change_threshold: float = 0.10, fraction_threshold: float = 0.25) -> bool:
+    """Whether frequencies moved by more than ``change_threshold`` (relative to
+    ``previous``) for at least ``fraction_threshold`` of the experts both know.
+
+    An expert that had frequency 0 changed iff it has a non-zero one now.
+    """
+    check_reorder_thresholds(change_threshold, fraction_threshold)
+    names = [name for name in current if name in previous]
+    if not names:
+        return False
+    changed = 0
+    for name in names:
+        before, now = previous[name], current[name]
+        if before == 0:
+            changed += now != 0
+        else:
+            changed += abs(now - before) / abs(before) > change_threshold
+    return changed >= fraction_threshold * len(names)
+
+
+class HostMirror:
+    """Host copy of a device tensor that is read one publication late, without a sync.
+
+    :meth:`publish` issues a non-blocking copy into a host buffer (pinned on CUDA) and
+    records an event; :meth:`read` returns the previously published values, waiting on
+    that event. Published after optimizer step ``t`` and read after step ``t+1``, the copy
+    finished long ago (the device has since run iteration ``t+1``), so the wait is free in
+    practice and the host never stalls the device's run-ahead at publication time.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._event: Any = None
+
+    def publish(self, tensor: torch.Tensor) -> None:
+        """Start copying ``tensor``'s current values to the host."""
+        tensor = tensor.detach()
+        if self._buffer is None or self._buffer.shape != tensor.shape \
+                or self._buffer.dtype != tensor.dtype:
+            self._buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                                       pin_memory=tensor.is_cuda)
+        self._buffer.copy_(tensor, non_blocking=tensor.is_cuda)
+        self._event = None
+        if tensor.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def read(self) -> torch.Tensor | None:
+        """The values of the last :meth:`publish` (a host copy), or ``None`` if none yet."""
+        if self._buffer is None:
+            return None
+        if self._event is not None:
+            self._event.synchronize()
+        return self._buffer.clone()
+
+    def clear(self) -> None:
+        """Forget the published values."""
+        self._buffer, self._event = None, None

@@ -1,0 +1,164 @@
+"""Replication of each rank's snapshots to ``r`` peers, and verified fetch of a window.
+
+Placement is deterministic and recorded: rank ``i`` replicates to the next ranks in ring
+order, ranks on other nodes first (a node failure takes its local replicas with it), at
+most ``world - 1`` peers. Transfers use point-to-point ``isend``/``irecv`` on a dedicated
+gloo process group (host tensors; never interleaved with training collectives) from a
+background thread. Every rank takes snapshots at the same steps, so every rank's thread
+processes the same sequence and sends match receives. A snapshot counts as replicated
+once all its sends completed; the store persists a window when all its snapshots are.
+
+Peers keep the serialized snapshots of each source rank; :func:`decode_snapshot` restores
+one and checks every piece's checksum, and :func:`verify_window` refuses a window with a
+missing or corrupt piece, naming rank, operator and iteration.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_moe_ckpt.checkpoint.snapshot import Snapshot, tensor_checksum
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint piece is missing or fails its checksum."""
+
+
+def replica_peers(rank: int, world_size: int, replicas: int, ranks_per_node: int) -> list[int]:
+    """Peers that hold copies of ``rank``'s snapshots: other nodes first, ring order."""
+    ring = [(rank + k) % world_size for k in range(1, world_size)]
+    node = rank // ranks_per_node
+    remote = [p for p in ring if p // ranks_per_node != node]
+    local = [p for p in ring if p // ranks_per_node == node]
+    return (remote + local)[:max(0, min(replicas, world_size - 1))]
+
+
+def encode_snapshot(snapshot: Snapshot) -> torch.Tensor:
+    """Serialise a snapshot (pieces, checksums, metadata) into a byte tensor."""
+    payload = {
+        "step": snapshot.step, "rank": snapshot.rank,
+        "window_start": snapshot.plan.window_start, "window": snapshot.plan.window,
+        "metadata": snapshot.metadata,
+        "pieces": {name: {"kind": piece.kind, "checksum": piece.checksum,
+                          "tensors": piece.tensors}
+                   for name, piece in snapshot.pieces.items()},
+    }
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def decode_snapshot(data: torch.Tensor) -> dict[str, Any]:
+    """Inverse of :func:`encode_snapshot`; raises if any piece fails its checksum."""
+    payload: dict[str, Any] = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+    for name, piece in payload["pieces"].items():
+        if piece["checksum"] is None or tensor_checksum(piece["tensors"]) != piece["checksum"]:
+            raise CorruptCheckpointError(
+                f"checkpoint piece of rank {payload['rank']}, operator {name!r}, iteration "
+                f"{payload['step']} fails its checksum")
+    return payload
+
+
+def verify_window(snapshots: dict[int, dict[str, Any]], rank: int, window_start: int,
+                  window: int, expected: Callable[[int], list[str]]) -> None:
+    """Refuse a window with a missing snapshot or piece; ``expected(step)`` lists the
+    operators whose pieces SS_step must hold."""
+    for step in range(window_start, window_start + window):
+        if step not in snapshots:
+            raise CorruptCheckpointError(
+                f"checkpoint of rank {rank}, iteration {step} (window starting at "
+                f"{window_start}) is missing")
+        for operator in expected(step):
+            if operator not in snapshots[step]["pieces"]:
+                raise CorruptCheckpointError(
+                    f"checkpoint piece of rank {rank}, operator {operator!r}, iteration "
+                    f"{step} is missing")
+
+
+@dataclass
+class ReplicaStore:
+    """Serialized snapshots this rank holds for its source ranks, two windows each."""
+
+    windows: dict[int, dict[int, dict[int, torch.Tensor]]] = field(
+        default_factory=lambda: defaultdict(dict))  # source -> window start -> step -> bytes
+
+    def put(self, source: int, window_start: int, step: int, data: torch.Tensor) -> None:
+        """Keep a received snapshot; drop that source's windows older than the previous."""
+        held = self.windows[source]
+        held.setdefault(window_start, {})[step] = data
+        starts = sorted(held)
+        for start in starts[:-2]:
+            del held[start]
+
+    def window(self, source: int, window_start: int) -> dict[int, torch.Tensor]:
+        """The serialized snapshots of one window of ``source`` (empty when not held)."""
+        return dict(self.windows.get(source, {}).get(window_start, {}))
+
+    def nbytes(self) -> int:
+        """Bytes held for all sources."""
+        return sum(t.numel() for held in self.windows.values() for steps in held.values()
+                   for t in steps.values())
+
+
+class Replicator:
+    """Background replication of this rank's snapshots to its peers (and of theirs to it)."""
+
+    def __init__(self, replicas: int, ranks_per_node: int,
+                 on_replicated: Callable[[int, int], None]) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.group = dist.new_group(backend="gloo")  # collective: every rank creates it
+        self.peers = replica_peers(self.rank, self.world_size, replicas, ranks_per_node)
+        self.sources = [s for s in range(self.world_size)
+                        if self.rank in replica_peers(s, self.world_size, replicas,
+                                                      ranks_per_node)]
+        self.replicas = ReplicaStore()
+        self.on_replicated = on_replicated
+        self.lag = 0
+        self._queue: queue.Queue[Snapshot | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="snapshot-replication",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, snapshot: Snapshot) -> None:
+        """Replicate ``snapshot`` once its copies are checksummed."""
+        self.lag += 1
+        self._queue.put(snapshot)
+
+    def close(self) -> None:
+        """Drain outstanding transfers and stop the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (snapshot := self._queue.get()) is not None:
+            snapshot.checksummed.wait()
+            data = encode_snapshot(snapshot)
+            sizes = {s: torch.zeros(1, dtype=torch.int64) for s in self.sources}
+            ops = [dist.P2POp(dist.irecv, sizes[s], s, self.group) for s in self.sources]
+            ops += [dist.P2POp(dist.isend, torch.tensor([data.numel()]), p, self.group)
+                    for p in self.peers]
+            _wait(ops)
+            received = {s: torch.empty(int(sizes[s]), dtype=torch.uint8) for s in self.sources}
+            ops = [dist.P2POp(dist.irecv, received[s], s, self.group) for s in self.sources]
+            ops += [dist.P2POp(dist.isend, data, p, self.group) for p in self.peers]
+            _wait(ops)
+            for source, payload in received.items():
+                self.replicas.put(source, snapshot.plan.window_start, snapshot.step, payload)
+            self.lag -= 1
+            self.on_replicated(snapshot.plan.window_start, snapshot.step)
+
+
+def _wait(ops: list[dist.P2POp]) -> None:
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()

@@ -1,0 +1,227 @@
+"""Snapshot engine: copies SS_t to host memory while iteration t+1 computes.
+
+After optimizer step ``t`` the engine issues the copies a :class:`CapturePlan` asks for:
+master state (fp32 master weights, AdamW moments and step counters) of the plan's
+``master`` operators and compute weights of its ``compute`` operators. The copies overlap
+the next iteration's forward/backward, which only reads those tensors; right before
+optimizer step ``t+1`` mutates them the engine waits for the copies to finish and counts
+any wait as stall time (invariant 3: the wait is measured, never hidden).
+
+* CUDA: copies run on a dedicated stream, ordered after step ``t`` by an event, into
+  pinned host buffers; the main thread never blocks except in that measured wait.
+* CPU: one worker thread performs the copies.
+
+Host buffers come from a pool keyed by (tensor name, shape, dtype): buffers of a freed
+snapshot are reused by the next one with the same layout, so steady-state training
+allocates nothing. Every piece gets a CRC32 checksum, computed on the worker thread after
+its copy completed (off the critical path) and verified on restore.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from lightning_moe_ckpt.operators import OperatorRegistry
+from lightning_moe_ckpt.precision import MasterWeightAdamW
+
+if TYPE_CHECKING:
+    from lightning_moe_ckpt.checkpoint.planners import CapturePlan
+
+MASTER_FIELDS = ("master", "exp_avg", "exp_avg_sq", "step")
+PieceKind = Literal["master", "compute"]
+
+
+def tensor_checksum(tensors: dict[str, torch.Tensor]) -> int:
+    """CRC32 over names and raw bytes of ``tensors`` (CPU), in name order."""
+    crc = 0
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(tensor.view(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+@dataclass
+class SnapshotPiece:
+    """One operator's captured state in one snapshot."""
+
+    operator: str
+    kind: PieceKind
+    tensors: dict[str, torch.Tensor]  # "<param>" (compute) or "<param>/<field>" (master)
+    checksum: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by this piece."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def verify(self) -> bool:
+        """Whether the stored checksum matches the bytes."""
+        return self.checksum is not None and tensor_checksum(self.tensors) == self.checksum
+
+
+@dataclass
+class Snapshot:
+    """SS_t of one rank: its pieces plus the metadata replay needs."""
+
+    step: int
+    rank: int
+    plan: CapturePlan
+    pieces: dict[str, SnapshotPiece]
+    metadata: dict[str, Any]
+    copied: threading.Event = field(default_factory=threading.Event)
+    checksummed: threading.Event = field(default_factory=threading.Event)
+    cuda_done: Any = None  # torch.cuda.Event on the CUDA path
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data in this snapshot."""
+        return sum(piece.nbytes for piece in self.pieces.values())
+
+
+class HostBufferPool:
+    """Reusable host buffers (pinned on CUDA machines), keyed by name, shape and dtype."""
+
+    def __init__(self, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self._free: dict[tuple[str, tuple[int, ...], torch.dtype], list[torch.Tensor]] = (
+            defaultdict(list))
+        self.allocated_bytes = 0
+        self.allocations = 0
+
+    def acquire(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer shaped like ``like`` (reused when one is free)."""
+        key = (name, tuple(like.shape), like.dtype)
+        if self._free[key]:
+            return self._free[key].pop()
+        self.allocations += 1
+        self.allocated_bytes += like.numel() * like.element_size()
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu",
+                           pin_memory=self.pin_memory)
+
+    def release(self, snapshot: Snapshot) -> None:
+        """Return a snapshot's buffers to the pool."""
+        for piece in snapshot.pieces.values():
+            for name, tensor in piece.tensors.items():
+                self._free[(name, tuple(tensor.shape), tensor.dtype)].append(tensor)
+        snapshot.pieces = {}
+
+
+def _sources(registry: OperatorRegistry, optimizer: MasterWeightAdamW, operator: str,
+             kind: PieceKind) -> dict[str, torch.Tensor]:
+    """The live tensors a piece copies."""
+    sources: dict[str, torch.Tensor] = {}
+    for name, param in registry[operator].params:
+        if kind == "compute":
+            sources[name] = param.detach()
+            continue
+        master = optimizer.master[name]
+        sources[f"{name}/master"] = master.detach()
+        for key, value in optimizer.inner.state.get(master, {}).items():
+            sources[f"{name}/{key}"] = value
+    return sources
+
+
+class SnapshotEngine:
+    """Issues, overlaps and waits for the per-iteration snapshot copies of one rank."""
+
+    def __init__(self, registry: OperatorRegistry, optimizer: MasterWeightAdamW, rank: int,
+                 device: torch.device, pool: HostBufferPool | None = None,
+                 copy_delay_s: float = 0.0) -> None:
+        self.registry = registry
+        self.optimizer = optimizer
+        self.rank = rank
+        self.cuda = device.type == "cuda"
+        self.pool = pool if pool is not None else HostBufferPool(pin_memory=self.cuda)
+        self.copy_delay_s = copy_delay_s  # tests slow the copy down to provoke races
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.pending: list[Snapshot] = []
+        self.stall_s = 0.0
+        self.bytes_issued = 0
+        self._work: queue.Queue[tuple[Snapshot, list[tuple[torch.Tensor, torch.Tensor]]] | None]
+        self._work = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="snapshot-copy", daemon=True)
+        self._worker.start()
+
+    def issue(self, plan: CapturePlan, metadata: dict[str, Any]) -> Snapshot:
+        """Start copying SS_{plan.iteration}; returns immediately."""
+        pieces: dict[str, SnapshotPiece] = {}
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for kind, operators in (("master", plan.master), ("compute", plan.compute)):
+            for operator in operators:
+                if operator not in self.registry:
+                    continue  # held by another rank
+                tensors: dict[str, torch.Tensor] = {}
+                for name, source in _sources(self.registry, self.optimizer, operator,
+                                             kind).items():  # type: ignore[arg-type]
+                    target = self.pool.acquire(name, source)
+                    tensors[name] = target
+                    pairs.append((source, target))
+                pieces[operator] = SnapshotPiece(operator, kind, tensors)  # type: ignore[arg-type]
+        snapshot = Snapshot(plan.iteration, self.rank, plan, pieces, metadata)
+        self.bytes_issued += snapshot.nbytes
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(ready)
+                for source, target in pairs:
+                    target.copy_(source, non_blocking=True)
+                snapshot.cuda_done = torch.cuda.Event()
+                snapshot.cuda_done.record(self.stream)
+        self.pending.append(snapshot)
+        self._work.put((snapshot, pairs))
+        return snapshot
+
+    def wait_copies(self) -> float:
+        """Block until every issued copy finished; returns (and accumulates) the stall."""
+        if not self.pending:
+            return 0.0
+        started = time.perf_counter()
+        for snapshot in self.pending:
+            snapshot.copied.wait()
+        stall = time.perf_counter() - started
+        self.pending = []
+        self.stall_s += stall
+        return stall
+
+    def close(self) -> None:
+        """Finish outstanding work and stop the worker thread."""
+        self.wait_copies()
+        self._work.put(None)
+        self._worker.join()
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            snapshot, pairs = item
+            if snapshot.cuda_done is not None:
+                snapshot.cuda_done.synchronize()
+            else:
+                if self.copy_delay_s:
+                    time.sleep(self.copy_delay_s)
+                for source, target in pairs:
+                    target.copy_(source)
+            snapshot.copied.set()
+            for piece in snapshot.pieces.values():
+                piece.checksum = tensor_checksum(piece.tensors)
+            snapshot.checksummed.set()
+
+
+def rng_state() -> dict[str, Any]:
+    """RNG states a replay needs (CPU, and CUDA when present)."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+MetadataFn = Callable[[int], dict[str, Any]]

@@ -1,0 +1,97 @@
+"""Snapshot store: the in-flight window, the persisted window, and nothing older.
+
+Snapshots are grouped by the window (sparse checkpoint) they belong to. A window is
+*complete* when all of its W snapshots were taken and their copies checksummed, and
+*persisted* when, in addition, every snapshot is held by its replica peers (the replicator
+reports that). The store keeps the newest persisted window and the windows after it;
+as soon as a newer window persists, older ones are released to the buffer pool, and the
+registered release listeners (the upstream log) are told from which step on state must be
+kept. So host memory stays bounded by two windows (invariant 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, Snapshot
+
+
+@dataclass
+class WindowRecord:
+    """The snapshots of one window of one rank."""
+
+    start: int
+    window: int
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+    replicated: set[int] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        """All W snapshots taken and checksummed."""
+        return (len(self.snapshots) == self.window
+                and all(s.checksummed.is_set() for s in self.snapshots.values()))
+
+    @property
+    def persisted(self) -> bool:
+        """Complete and every snapshot replicated."""
+        return self.complete and self.replicated >= set(self.snapshots)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held by the window's snapshots."""
+        return sum(s.nbytes for s in self.snapshots.values())
+
+
+class SnapshotStore:
+    """Windows of one rank, from the newest persisted one on."""
+
+    def __init__(self, pool: HostBufferPool, replicas: int) -> None:
+        self.pool = pool
+        self.replicas = replicas
+        self.windows: dict[int, WindowRecord] = {}
+        self.persisted_start: int | None = None
+        self.release_listeners: list[Callable[[int], None]] = []
+        self.peak_bytes = 0
+
+    def add(self, snapshot: Snapshot) -> WindowRecord:
+        """File a newly issued snapshot under its window."""
+        plan = snapshot.plan
+        record = self.windows.setdefault(plan.window_start,
+                                         WindowRecord(plan.window_start, plan.window))
+        record.snapshots[snapshot.step] = snapshot
+        self.peak_bytes = max(self.peak_bytes, self.host_bytes())
+        return record
+
+    def mark_replicated(self, window_start: int, step: int) -> None:
+        """The replicator confirmed that SS_step reached all its peers."""
+        record = self.windows.get(window_start)
+        if record is not None:
+            record.replicated.add(step)
+
+    def refresh(self) -> int | None:
+        """Promote the newest persisted window and free older ones; returns its start."""
+        if self.replicas == 0:  # nothing to wait for: complete means persisted
+            for record in self.windows.values():
+                if record.complete:
+                    record.replicated.update(record.snapshots)
+        persisted = [start for start, record in self.windows.items() if record.persisted]
+        if not persisted:
+            return self.persisted_start
+        newest = max(persisted)
+        if newest != self.persisted_start:
+            for start in [s for s in self.windows if s < newest]:
+                for snapshot in self.windows.pop(start).snapshots.values():
+                    self.pool.release(snapshot)
+            self.persisted_start = newest
+            for listener in self.release_listeners:
+                listener(newest)
+        return self.persisted_start
+
+    def persisted(self) -> WindowRecord | None:
+        """The newest persisted window, if any."""
+        return None if self.persisted_start is None else self.windows[self.persisted_start]
+
+    def host_bytes(self) -> int:
+        """Bytes of snapshot data currently held."""
+        return sum(record.nbytes for record in self.windows.values())

@@ -1,0 +1,56 @@
+"""Snapshots replicated to peers (gloo, 4 processes): bitwise copies, bounded memory,
+corrupted and missing pieces refused with the rank, operator and iteration named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_moe_ckpt.checkpoint.replication import (
+    CorruptCheckpointError,
+    replica_peers,
+    verify_window,
+)
+from tests.distributed.harness import run_distributed
+from tests.distributed.workloads import make_settings, replication_check
+
+pytestmark = pytest.mark.distributed
+
+
+def test_replica_placement_prefers_other_nodes() -> None:
+    # 2 nodes x 4 ranks: rank 1's two replicas live on node 1, in ring order.
+    assert replica_peers(1, 8, 2, ranks_per_node=4) == [4, 5]
+    assert replica_peers(6, 8, 2, ranks_per_node=4) == [0, 1]
+    assert replica_peers(0, 2, 2, ranks_per_node=1) == [1]  # capped by the world
+    assert replica_peers(0, 1, 2, ranks_per_node=1) == []
+
+
+def test_persisted_window_equals_its_replicas_and_memory_is_bounded() -> None:
+    steps, window = 14, 3
+    settings = make_settings(2, 1, 2, steps=steps)
+    ranks = run_distributed(4, replication_check, settings, steps, window)["ranks"]
+    for rank, report in enumerate(ranks):
+        start = report["start"]
+        assert start % window == 0 and steps - 2 * window <= start < steps
+        assert max(report["windows_held"]) <= 3  # persisted + in flight (+ one lagging)
+        peers = replica_peers(rank, 4, 2, ranks_per_node=1)
+        assert len(peers) == 2
+        for peer in peers:
+            copy = ranks[peer]["held"][rank]
+            assert sorted(copy) == sorted(report["local"]), (rank, peer)
+            for step, pieces in report["local"].items():
+                assert pieces.keys() == copy[step].keys()
+                for operator, tensors in pieces.items():
+                    for name, tensor in tensors.items():
+                        assert torch.equal(copy[step][operator]["tensors"][name], tensor)
+        assert report["peak"] <= 3 * report["window_bytes"] + 1
+
+
+def test_missing_piece_is_refused_by_name() -> None:
+    snapshots = {10: {"pieces": {"embed": {}}}, 11: {"pieces": {}}}
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"rank 3, operator 'layers\.0\.attn', iteration 11 is missing"):
+        verify_window(snapshots, rank=3, window_start=10, window=2,
+                      expected=lambda step: ["layers.0.attn"] if step == 11 else ["embed"])
+    with pytest.raises(CorruptCheckpointError, match=r"rank 3, iteration 12 .* is missing"):
+        verify_window(snapshots, rank=3, window_start=10, window=3, expected=lambda step: [])

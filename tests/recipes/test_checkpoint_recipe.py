@@ -1,0 +1,39 @@
+"""Checkpoint policies in the training recipe: every policy runs on a parallel layout, and
+taking snapshots never changes the training result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.recipes.test_train_recipe import assert_states_equal, run_recipe
+
+pytestmark = pytest.mark.slow
+
+POLICIES = ["moevement", "gemini", "checkfreq", "moc", "moetion", "none"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policy_runs_on_pp2_ep2(tmp_path: Path, policy: str) -> None:
+    result = run_recipe(tmp_path, "parallel.pp=2", "parallel.ep=2", "parallel.microbatches=4",
+                        f"checkpoint={policy}", "trainer.max_steps=8", "trainer.val_every=8",
+                        "api=fabric")
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["checkpoint_policy"] == policy
+    if policy != "none":
+        assert metrics["snapshot_bytes_per_iter"] > 0
+        assert metrics["persisted_window_start"] is not None
+
+
+def test_snapshots_do_not_change_training(tmp_path: Path) -> None:
+    for policy in ("none", "moevement"):
+        result = run_recipe(tmp_path / policy, f"checkpoint={policy}", "trainer.max_steps=8",
+                            "checkpoint.window=3" if policy == "moevement" else "api=trainer")
+        assert result.returncode == 0, result.stderr[-4000:]
+    assert_states_equal(tmp_path / "none" / "final_state.pt",
+                        tmp_path / "moevement" / "final_state.pt")
+    metrics = json.loads((tmp_path / "moevement" / "metrics.json").read_text())
+    assert metrics["window"] == 3 and metrics["windows_taken"] >= 3
