@@ -20,7 +20,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("none", "moevement", "gemini", "checkfreq", "moc", "moetion")
