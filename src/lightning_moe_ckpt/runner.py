@@ -18,6 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
@@ -57,7 +58,8 @@ def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
     if checkpoint.policy == "none":
         return None
     return SparseCheckpointing(checkpoint.policy, checkpoint.replicas,
-                               checkpoint.warmup_iterations, **checkpoint.options)
+                               checkpoint.warmup_iterations, checkpoint.durable_every,
+                               checkpoint.durable_dir, **checkpoint.options)
 
 
 def _launch_settings(settings: RunSettings) -> dict[str, Any]:
@@ -96,9 +98,10 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
         check_val_every_n_epoch=None, log_every_n_steps=settings.log_every,
         default_root_dir=settings.out_dir, use_distributed_sampler=False,
         callbacks=[checkpointing] if checkpointing is not None else [],
+        plugins=[AsyncCheckpointIO()] if settings.checkpoint.durable_every else None,
         **(_launch_settings(settings) if distributed else {"accelerator": "cpu", "devices": 1}),
     )
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=settings.ckpt_path)
     core = strategy.core if distributed else None
     return TrainedState(module._engine(), trainer.global_step, trainer.global_rank,
                         module.data_shard, core, checkpointing)

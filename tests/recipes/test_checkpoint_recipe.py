@@ -37,3 +37,24 @@ def test_snapshots_do_not_change_training(tmp_path: Path) -> None:
                         tmp_path / "moevement" / "final_state.pt")
     metrics = json.loads((tmp_path / "moevement" / "metrics.json").read_text())
     assert metrics["window"] == 3 and metrics["windows_taken"] >= 3
+
+
+@pytest.mark.parametrize(("precision", "layout"), [
+    ("32", ()), ("bf16-master", ()),
+    ("32", ("parallel.pp=2", "parallel.ep=2", "parallel.microbatches=4")),
+], ids=["fp32", "bf16", "fp32-pp2-ep2"])
+def test_durable_checkpoint_resumes_bitwise_with_plain_ckpt_path(
+        tmp_path: Path, precision: str, layout: tuple[str, ...]) -> None:
+    common = ("trainer.max_steps=12", "checkpoint.window=3", f"trainer.precision={precision}",
+              *layout)
+    full = run_recipe(tmp_path / "full", *common, "checkpoint.durable_every=2")
+    assert full.returncode == 0, full.stderr[-4000:]
+    saved = json.loads((tmp_path / "full" / "metrics.json").read_text())["durable_checkpoints"]
+    assert [Path(p).name for p in saved] == ["step=7.ckpt"]  # 2nd persisted window (3..5)
+    resumed = run_recipe(tmp_path / "resumed", *common, f"ckpt_path='{saved[0]}'")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert_states_equal(tmp_path / "full" / "final_state.pt",
+                        tmp_path / "resumed" / "final_state.pt")
+    losses_full = json.loads((tmp_path / "full" / "metrics.json").read_text())["loss"]
+    losses_resumed = json.loads((tmp_path / "resumed" / "metrics.json").read_text())["loss"]
+    assert losses_resumed == losses_full[7:]

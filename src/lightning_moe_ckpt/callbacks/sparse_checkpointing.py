@@ -71,7 +71,8 @@ class SparseCheckpointing(L.Callback):
     """Sparse (or baseline) per-iteration checkpointing of every rank's state."""
 
     def __init__(self, policy: str = "moevement", replicas: int = 2,
-                 warmup_iterations: int = 3, **options: Any) -> None:
+                 warmup_iterations: int = 3, durable_every: int | None = None,
+                 durable_dir: str | None = None, **options: Any) -> None:
         known = planner_options(policy)  # raises for an unknown policy
         unknown = sorted(set(options) - known)
         require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)}"
@@ -80,6 +81,17 @@ class SparseCheckpointing(L.Callback):
         require(replicas >= 0, f"{fmt('checkpoint.replicas', replicas)} must be >= 0")
         require(warmup_iterations >= 1,
                 f"{fmt('checkpoint.warmup_iterations', warmup_iterations)} must be >= 1")
+        require(durable_every is None or (isinstance(durable_every, int) and durable_every >= 1),
+                f"{fmt('checkpoint.durable_every', durable_every)} must be an integer >= 1 "
+                "(or null: no durable checkpoints)")
+        require(durable_every is None or durable_dir is not None,
+                f"checkpoint.durable_every={durable_every} needs checkpoint.durable_dir")
+        self.durable_every = durable_every
+        self.durable_dir = durable_dir
+        self.durable_saved: list[str] = []
+        self._persisted_seen: int | None = None
+        self._persisted_count = 0
+        self._first_step = 0  # windows starting before it are the initial-state snapshot
         self.policy = policy
         self.replicas = replicas
         self.warmup_iterations = warmup_iterations
@@ -108,7 +120,10 @@ class SparseCheckpointing(L.Callback):
         if "window_agreement" in accepted and world_size > 1:
             options["window_agreement"] = _agree_on_largest
         planner = make_planner(self.policy, specs_from_registry(registry), **options)
-        initial = CapturePlan(-1, tuple(registry.names), (), -1, 0, 1, None)
+        # The state before the next step, kept (and replicated) as the first checkpoint.
+        before = engine.step - 1
+        self._first_step = engine.step
+        initial = CapturePlan(before, tuple(registry.names), (), before, 0, 1, None)
         self.coordinator = CheckpointCoordinator(
             engine, planner, rank, world_size, self.replicas, ranks_per_node, device,
             copy_delay_s, initial_plan=initial)
@@ -130,6 +145,7 @@ class SparseCheckpointing(L.Callback):
         figures = self.coordinator.metrics(train_seconds)
         figures["reorders"] = getattr(self.coordinator.planner, "reorders", 0)
         figures["profile"] = getattr(self.coordinator, "profile", None)
+        figures["durable_checkpoints"] = list(self.durable_saved)
         return figures
 
     def step_values(self) -> dict[str, float]:
@@ -157,12 +173,31 @@ class SparseCheckpointing(L.Callback):
         self.attach(engine, rank=trainer.global_rank, world_size=trainer.world_size,
                     ranks_per_node=max(1, trainer.num_devices), device=pl_module.device)
 
+    def durable_due(self) -> bool:
+        """Whether a window persisted since the last call and it is the durable_every-th."""
+        if self.durable_every is None or self.coordinator is None:
+            return False
+        persisted = self.coordinator.store.persisted_start
+        if persisted is None or persisted == self._persisted_seen or persisted < self._first_step:
+            return False
+        self._persisted_seen = persisted
+        self._persisted_count += 1
+        return self._persisted_count % self.durable_every == 0
+
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         values = self.step_values()
         if values:
             pl_module.log_dict(values, rank_zero_only=True)
+        if self.durable_due():
+            # The live state at the step the window persisted: the dense checkpoint that
+            # converting the window and replaying up to this step would produce. Lightning's
+            # checkpoint IO writes it (asynchronously with AsyncCheckpointIO).
+            assert self.durable_dir is not None
+            path = f"{self.durable_dir}/step={trainer.global_step}.ckpt"
+            trainer.save_checkpoint(path)
+            self.durable_saved.append(path)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -21,6 +21,7 @@ machines.
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,6 +105,42 @@ class MoEParallelStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self.core.setup_mesh(self.root_device.type)
+
+    def rank_checkpoint_path(self, path: str | Path) -> Path:
+        """This rank's file inside a (directory-shaped) checkpoint ``path``."""
+        return Path(path) / f"rank{self.global_rank:05d}.ckpt"
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
+                        storage_options: Any | None = None) -> None:
+        # Every rank holds different stages and experts: each writes its own file into
+        # the checkpoint directory (same layout required to resume).
+        checkpoint["moe_parallel_layout"] = {"pp": self.core.pp, "dp": self.core.dp,
+                                             "ep": self.core.ep, "world_size": self.world_size}
+        self.checkpoint_io.save_checkpoint(checkpoint, self.rank_checkpoint_path(filepath),
+                                           storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None
+                        ) -> dict[str, Any]:
+        path = self.rank_checkpoint_path(checkpoint_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"ckpt_path={str(checkpoint_path)!r} has no file for rank "
+                                    f"{self.global_rank} ({path.name}); it must come from a "
+                                    "run with the same parallel layout")
+        checkpoint: dict[str, Any] = self.checkpoint_io.load_checkpoint(path,
+                                                                        weights_only=False)
+        layout = checkpoint.get("moe_parallel_layout", {})
+        expected = {"pp": self.core.pp, "dp": self.core.dp, "ep": self.core.ep,
+                    "world_size": self.world_size}
+        if layout != expected:
+            raise ValueError(f"ckpt_path={str(checkpoint_path)!r} was written with layout "
+                             f"{layout}, this run uses {expected}")
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        self.checkpoint_io.remove_checkpoint(self.rank_checkpoint_path(filepath))
 
     @override
     def model_to_device(self) -> None:

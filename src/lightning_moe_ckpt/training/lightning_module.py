@@ -73,8 +73,10 @@ class MoELanguageModule(L.LightningModule):
 
     @override
     def train_dataloader(self) -> DataLoader[dict[str, Any]]:
+        # The data position is the optimizer step: a resumed run continues where the
+        # checkpoint left off.
         dataset = IterationDataset(self.run_data().train, self.settings.max_steps,
-                                   shard=self.data_shard)
+                                   start=self.trainer.global_step, shard=self.data_shard)
         return DataLoader(dataset, batch_size=None)
 
     @override
@@ -97,6 +99,14 @@ class MoELanguageModule(L.LightningModule):
         values = step_log_values(result, self._layer_ids)
         self.log("train/loss", values.pop("train/loss"), prog_bar=True, rank_zero_only=True)
         self.log_dict(values, rank_zero_only=True)
+
+    @override
+    def on_train_start(self) -> None:
+        # A resumed run continues the step count (data position, snapshot steps, log tags).
+        engine = self._engine()
+        engine.step = self.global_step
+        if hasattr(engine.executor, "iteration"):
+            engine.executor.iteration = self.global_step
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

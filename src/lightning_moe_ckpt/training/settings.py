@@ -20,6 +20,7 @@ from lightning_moe_ckpt.precision import Precision, parse_precision
 
 Api = Literal["trainer", "fabric"]
 DATA_SOURCES = ("stdlib", "textfile")
+COMMON_CHECKPOINT_KEYS = ("durable_dir", "durable_every", "replicas", "warmup_iterations")
 PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "schedule")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
                 "seed", "val_batches", "val_every")
@@ -75,6 +76,8 @@ class CheckpointSettings:
     replicas: int = 2
     warmup_iterations: int = 3
     options: dict[str, Any] = field(default_factory=dict)
+    durable_every: int | None = None
+    durable_dir: str | None = None
 
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
@@ -85,15 +88,17 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     known = planner_options(policy)  # names checkpoint=<policy> when unknown
     replicas = values.pop("replicas", 2)
     warmup = values.pop("warmup_iterations", 3)
+    durable_every = values.pop("durable_every", None)
+    durable_dir = values.pop("durable_dir", None)
     unknown = sorted(set(values) - known)
     require(not unknown, f"unknown key(s) {', '.join('checkpoint.' + k for k in unknown)} for "
                          f"checkpoint={policy}; it accepts "
-                         f"{', '.join(sorted(known | {'replicas', 'warmup_iterations'}))}")
+                         f"{', '.join(sorted(known | set(COMMON_CHECKPOINT_KEYS)))}")
     require(isinstance(replicas, int) and replicas >= 0,
             f"{fmt('checkpoint.replicas', replicas)} must be an integer >= 0")
     require(isinstance(warmup, int) and warmup >= 1,
             f"{fmt('checkpoint.warmup_iterations', warmup)} must be an integer >= 1")
-    return CheckpointSettings(policy, replicas, warmup, values)
+    return CheckpointSettings(policy, replicas, warmup, values, durable_every, durable_dir)
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class RunSettings:
     log_every: int
     progress_bar: bool
     out_dir: str
+    ckpt_path: str | None = None
 
 
 def _section(cfg: DictConfig, key: str) -> dict[str, Any]:
@@ -178,6 +184,7 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
         log_every=int(trainer.get("log_every", 10)),
         progress_bar=bool(trainer.get("progress_bar", True)),
         out_dir=str(cfg.get("out_dir", "outputs")),
+        ckpt_path=None if cfg.get("ckpt_path") is None else str(cfg.get("ckpt_path")),
     )
     require(settings.max_steps >= 1, f"trainer.max_steps={settings.max_steps} must be >= 1")
     require(settings.val_every >= 1, f"trainer.val_every={settings.val_every} must be >= 1")
