@@ -26,7 +26,7 @@ def test_replica_placement_prefers_other_nodes() -> None:
 
 
 def test_persisted_window_equals_its_replicas_and_memory_is_bounded() -> None:
-    steps, window = 14, 3
+    steps, window = 30, 3  # ten windows: memory must stay bounded throughout
     settings = make_settings(2, 1, 2, steps=steps)
     ranks = run_distributed(4, replication_check, settings, steps, window)["ranks"]
     for rank, report in enumerate(ranks):

@@ -97,6 +97,7 @@ class SparseCheckpointing(L.Callback):
         self.warmup_iterations = warmup_iterations
         self.options = options
         self.coordinator: CheckpointCoordinator | None = None
+        self._pending_state: dict[str, Any] | None = None
         self._started = 0.0
 
     @property
@@ -120,13 +121,19 @@ class SparseCheckpointing(L.Callback):
         if "window_agreement" in accepted and world_size > 1:
             options["window_agreement"] = _agree_on_largest
         planner = make_planner(self.policy, specs_from_registry(registry), **options)
+        if self._pending_state is not None and self._pending_state.get("planner") is not None:
+            planner.load_state_dict(self._pending_state["planner"])  # resumed from a checkpoint
+            self._pending_state = None
         # The state before the next step, kept (and replicated) as the first checkpoint.
         before = engine.step - 1
         self._first_step = engine.step
         initial = CapturePlan(before, tuple(registry.names), (), before, 0, 1, None)
+        persist_dir = None
+        if self.policy == "checkfreq":  # CheckFreq persists its dense snapshots to disk
+            persist_dir = f"{self.durable_dir or 'checkfreq'}/checkfreq/rank{rank:05d}"
         self.coordinator = CheckpointCoordinator(
             engine, planner, rank, world_size, self.replicas, ranks_per_node, device,
-            copy_delay_s, initial_plan=initial)
+            copy_delay_s, initial_plan=initial, persist_dir=persist_dir)
         if hasattr(planner, "set_profile") and options.get("window") is None:
             engine.hooks.append(_ProfilingHook(self.coordinator, self.warmup_iterations,
                                                device))

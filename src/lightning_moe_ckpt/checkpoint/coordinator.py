@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_moe_ckpt.checkpoint.persist import DiskPersister
 from lightning_moe_ckpt.checkpoint.replication import Replicator
 from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, SnapshotEngine, rng_state
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
@@ -37,7 +38,8 @@ class CheckpointCoordinator:
 
     def __init__(self, engine: TrainingEngine, planner: Planner, rank: int, world_size: int,
                  replicas: int, ranks_per_node: int, device: torch.device,
-                 copy_delay_s: float = 0.0, initial_plan: CapturePlan | None = None) -> None:
+                 copy_delay_s: float = 0.0, initial_plan: CapturePlan | None = None,
+                 persist_dir: str | None = None) -> None:
         self.engine = engine
         self.planner = planner
         self.rank = rank
@@ -45,11 +47,13 @@ class CheckpointCoordinator:
         self.snapshots = SnapshotEngine(engine.registry, engine.optimizer, rank, device,
                                         self.pool, copy_delay_s)
         effective = min(replicas, world_size - 1)
-        self.store = SnapshotStore(self.pool, effective)
         self._acks: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
-        self.replicator = (Replicator(effective, ranks_per_node,
-                                      lambda start, step: self._acks.put((start, step)))
-                           if effective > 0 else None)
+        acknowledge = lambda start, step: self._acks.put((start, step))  # noqa: E731
+        # A snapshot persists by replication to peers, or (CheckFreq) by a write to disk.
+        self.persister = DiskPersister(persist_dir, acknowledge) if persist_dir else None
+        self.store = SnapshotStore(self.pool, 1 if self.persister else effective)
+        self.replicator = (Replicator(effective, ranks_per_node, acknowledge)
+                           if effective > 0 and self.persister is None else None)
         self.replica_store = None if self.replicator is None else self.replicator.replicas
         self.bytes_per_step: list[int] = []
         self.stall_per_step: list[float] = []
@@ -57,6 +61,7 @@ class CheckpointCoordinator:
         self.current_window: int | None = None
         self.profile: dict[str, float] | None = None
         self._snapshot_taken = False
+        self.max_replication_lag = 0
         self._period_s: float | None = None
         self._last_step_end: float | None = None
         engine.hooks.append(self)
@@ -82,6 +87,8 @@ class CheckpointCoordinator:
         self.bytes_per_step.append(taken)
         self._drain_acks()
         self.store.refresh()
+        if self.replicator is not None:
+            self.max_replication_lag = max(self.max_replication_lag, self.replicator.lag)
 
     def _take(self, plan: CapturePlan, result: IterationResult | None) -> int:
         snapshot = self.snapshots.issue(plan, self._metadata(plan, result))
@@ -90,6 +97,8 @@ class CheckpointCoordinator:
         self.windows_seen.add(plan.window_start)
         if self.replicator is not None:
             self.replicator.submit(snapshot)
+        if self.persister is not None:
+            self.persister.submit(snapshot)
         return snapshot.nbytes
 
     def _metadata(self, plan: CapturePlan, result: IterationResult | None) -> dict[str, Any]:
@@ -120,8 +129,11 @@ class CheckpointCoordinator:
             for snapshot in record.snapshots.values():
                 snapshot.checksummed.wait()
         if self.replicator is not None:
+            self.max_replication_lag = max(self.max_replication_lag, self.replicator.lag)
             self.replicator.close()
             self.replicator = None
+        if self.persister is not None:
+            self.persister.close()
         self._drain_acks()
         self.store.refresh()
 
@@ -152,4 +164,6 @@ class CheckpointCoordinator:
             "host_snapshot_bytes_peak": self.store.peak_bytes,
             "host_buffer_bytes": self.pool.allocated_bytes,
             "replica_bytes": 0 if self.replica_store is None else self.replica_store.nbytes(),
+            "replication_lag_max": self.max_replication_lag,
+            "persisted_files": [] if self.persister is None else self.persister.written[-2:],
         }

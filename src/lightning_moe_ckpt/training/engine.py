@@ -56,9 +56,10 @@ class TrainingEngine:
     hooks: list[StepHooks] = field(default_factory=list)
 
     @classmethod
-    def local(cls, settings: RunSettings) -> TrainingEngine:
+    def local(cls, settings: RunSettings,
+              device: torch.device | str = "cpu") -> TrainingEngine:
         """The single-process engine (the reference for every parallel layout)."""
-        model = build_model(settings.model, settings.precision, settings.seed)
+        model = build_model(settings.model, settings.precision, settings.seed).to(device)
         return cls.around(settings, model, LocalExecutor(model))
 
     @classmethod
