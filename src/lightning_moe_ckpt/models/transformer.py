@@ -84,6 +84,18 @@ class OutputHead(nn.Module):
         return self.proj(self.norm(x))
 
 
+def run_blocks(embed: nn.Module | None, layers: nn.ModuleDict, head: nn.Module | None,
+               x: torch.Tensor) -> torch.Tensor:
+    """Embedding (if present), the layers in key order, the head (if present)."""
+    if embed is not None:
+        x = embed(x)
+    for layer in layers.values():
+        x = layer(x)
+    if head is not None:
+        x = head(x)
+    return x
+
+
 class MoETransformer(nn.Module):
     """Decoder-only MoE language model. ``forward`` maps tokens (or hidden states on a
     non-first pipeline stage) to logits (or hidden states on a non-last stage)."""
@@ -97,13 +109,7 @@ class MoETransformer(nn.Module):
         self.init_weights(seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for layer in self.layers.values():
-            x = layer(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
+        return run_blocks(self.embed, self.layers, self.head, x)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -14,7 +14,12 @@ import torch
 from torch import nn
 
 from lightning_moe_ckpt.models.config import MoEModelConfig
-from lightning_moe_ckpt.models.transformer import Embedding, MoETransformer, OutputHead
+from lightning_moe_ckpt.models.transformer import (
+    Embedding,
+    MoETransformer,
+    OutputHead,
+    run_blocks,
+)
 from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
 
 
@@ -29,13 +34,7 @@ class StageModule(nn.Module):
         self.head: OutputHead | None = model.head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for layer in self.layers.values():
-            x = layer(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
+        return run_blocks(self.embed, self.layers, self.head, x)
 
 
 def build_rank_model(cfg: MoEModelConfig, plan: ParallelPlan, coords: Coordinates, seed: int,

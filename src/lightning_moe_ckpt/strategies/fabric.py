@@ -20,25 +20,26 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from torch import nn
 from typing_extensions import override
 
+from lightning_moe_ckpt.strategies.common import (
+    STRATEGY_NAME,
+    assign_world_ranks,
+    barrier,
+    broadcast_object,
+    connect,
+    register,
+)
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.settings import RunSettings
 
-STRATEGY_NAME = "moe_parallel"
+__all__ = ["STRATEGY_NAME", "MoEParallelStrategy"]
 
 
 class MoEParallelStrategy(ParallelStrategy):
@@ -91,21 +92,14 @@ class MoEParallelStrategy(ParallelStrategy):
                                                    self.num_processes, self.num_nodes)
 
     def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes
-                                                     + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        assign_world_ranks(self.cluster_environment, self.node_rank, self.num_processes,
+                           self.num_nodes, self.local_rank)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self._set_world_ranks()
-        backend = (self._process_group_backend
-                   or _get_default_process_group_backend_for_device(self.root_device))
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self.core.setup_mesh(self.root_device.type)
+        connect(self)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -122,20 +116,13 @@ class MoEParallelStrategy(ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
+        barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return broadcast_object(obj, src)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(STRATEGY_NAME, cls,
-                                       description="MoE expert + pipeline + data parallel")
+        register(cls, strategy_registry)
