@@ -1,0 +1,157 @@
+"""Sparse-to-dense conversion: rebuild the exact dense state from a persisted window.
+
+Given the snapshots SS_s .. SS_{s+W-1} of a window (this rank's operators):
+
+1. load SS_s: operators of its turn get their master state (fp32 master weights, AdamW
+   moments, step counters) and become *active*; every other operator gets its compute
+   weights at ``s`` and is *frozen* (no weight gradient, no optimizer update, input
+   gradients still flow); the LR schedule and learning rates are restored from SS_s;
+2. replay iteration ``s+1`` with the clip coefficient the original run logged for it (the
+   global norm cannot be recomputed while some operators are frozen), then load SS_{s+1}:
+   its turn becomes active with master state at ``s+1``, the still-frozen operators take
+   their compute weights at ``s+1``; and so on until every operator is active, which is
+   the dense state at ``s+W-1``;
+3. replay, all active, up to the iteration that failed.
+
+Because frozen execution leaves input gradients bitwise unchanged and the optimizer skips
+frozen parameters, every replayed step reproduces the original one exactly, so the state
+after recovery is bitwise equal to the state of a run that never failed. The initial-state
+snapshot (window ``-1``, every operator's master state) is a window of one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
+from lightning_moe_ckpt.training.engine import TrainingEngine
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+SnapshotView = Mapping[str, Any]  # {"step", "metadata", "pieces": {op: {"kind", "tensors"}}}
+
+
+def snapshot_view(snapshot: Snapshot) -> dict[str, Any]:
+    """A local :class:`Snapshot` in the shape decoded replicas have."""
+    return {"step": snapshot.step, "metadata": snapshot.metadata,
+            "pieces": {name: {"kind": piece.kind, "tensors": piece.tensors}
+                       for name, piece in snapshot.pieces.items()}}
+
+
+@dataclass
+class RecoveryReport:
+    """What one recovery did, for ``metrics.json``."""
+
+    window_start: int
+    window: int
+    failed_step: int
+    replayed: int = 0
+    phases_s: dict[str, float] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def _load_piece(engine: TrainingEngine, operator: str, piece: Mapping[str, Any]) -> None:
+    registry, optimizer = engine.registry, engine.optimizer
+    tensors = piece["tensors"]
+    for name, param in registry[operator].params:
+        if piece["kind"] == "compute":
+            param.copy_(tensors[name])
+            continue
+        master = optimizer.master[name]
+        master.copy_(tensors[f"{name}/master"])
+        param.copy_(master)  # compute weights are the master rounded to their dtype
+        moments = {key: tensors[f"{name}/{key}"].clone()
+                   for key in ("exp_avg", "exp_avg_sq", "step") if f"{name}/{key}" in tensors}
+        if moments:
+            optimizer.inner.state[master] = moments
+        else:
+            optimizer.inner.state.pop(master, None)
+
+
+def _restore_schedule(engine: TrainingEngine, metadata: Mapping[str, Any]) -> None:
+    engine.scheduler.load_state_dict(metadata["lr_scheduler"])
+    for group, saved in zip(engine.optimizer.param_groups, metadata["param_groups"], strict=True):
+        group.update(saved)
+    torch.set_rng_state(metadata["rng"]["cpu"])
+
+
+def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
+                    batch: Callable[[int], Batch], failed_step: int) -> RecoveryReport:
+    """Rebuild the dense state from ``window`` and replay up to ``failed_step`` (the
+    iteration that did not complete); the engine is then ready to run it again."""
+    window = sorted(window, key=lambda view: view["step"])
+    start = window[0]["step"]
+    report = RecoveryReport(start, len(window), failed_step)
+    registry = engine.registry
+    hooks, engine.hooks = engine.hooks, []  # replay re-takes no snapshots
+    started = time.perf_counter()
+    try:
+        first = window[0]
+        for operator, piece in first["pieces"].items():
+            _load_piece(engine, operator, piece)
+        active = {op for op, piece in first["pieces"].items() if piece["kind"] == "master"}
+        registry.set_frozen([n for n in registry.names if n not in active])
+        registry.set_frozen(sorted(active), frozen=False)
+        _restore_schedule(engine, first["metadata"])
+        _set_step(engine, start + 1)
+        report.phases_s["convert_load"] = time.perf_counter() - started
+        converting = time.perf_counter()
+        for view in window[1:]:
+            step = view["step"]
+            clip = view["metadata"]["clip_coef"]
+            engine.train_iteration(*batch(step), clip_coef=clip)
+            report.replayed += 1
+            for operator, piece in view["pieces"].items():
+                if piece["kind"] == "master" or operator not in active:
+                    _load_piece(engine, operator, piece)
+            newly = {op for op, piece in view["pieces"].items() if piece["kind"] == "master"}
+            registry.set_frozen(sorted(newly), frozen=False)
+            active |= newly
+        missing = [n for n in registry.names if n not in active]
+        if missing:
+            raise RuntimeError(f"window starting at {start} never captured the master state "
+                               f"of {missing[:5]}")
+        report.phases_s["convert"] = time.perf_counter() - converting
+        replaying = time.perf_counter()
+        for step in range(start + len(window), failed_step):
+            engine.train_iteration(*batch(step))
+            report.replayed += 1
+        report.phases_s["replay"] = time.perf_counter() - replaying
+    finally:
+        engine.hooks = hooks
+    return report
+
+
+def _set_step(engine: TrainingEngine, step: int) -> None:
+    engine.step = step
+    if hasattr(engine.executor, "iteration"):
+        engine.executor.iteration = step
+
+
+def recover_from_store(coordinator: Any, batch: Callable[[int], Batch],
+                       failed_step: int) -> RecoveryReport:
+    """Global rollback of one process from its own store: drop the in-flight window (its
+    host copies died with the failure), convert the newest persisted window and replay.
+
+    ``coordinator`` is the rank's :class:`~lightning_moe_ckpt.checkpoint.coordinator.
+    CheckpointCoordinator`; the planner starts a fresh window at ``failed_step``.
+    """
+    started = time.perf_counter()
+    coordinator.snapshots.wait_copies()
+    record = coordinator.store.persisted()
+    if record is None:
+        raise RuntimeError("no persisted checkpoint to recover from (not even the initial "
+                           "state): was SparseCheckpointing attached before training?")
+    for start in [s for s in coordinator.store.windows if s != record.start]:
+        for snapshot in coordinator.store.windows.pop(start).snapshots.values():
+            coordinator.pool.release(snapshot)
+    views = [snapshot_view(s) for s in record.snapshots.values()]
+    fetched = time.perf_counter()
+    report = sparse_to_dense(coordinator.engine, views, batch, failed_step)
+    coordinator.planner.on_recovery(failed_step)
+    report.phases_s["fetch"] = fetched - started
+    return report
