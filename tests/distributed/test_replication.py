@@ -44,6 +44,24 @@ def test_persisted_window_equals_its_replicas_and_memory_is_bounded() -> None:
                     for name, tensor in tensors.items():
                         assert torch.equal(copy[step][operator]["tensors"][name], tensor)
         assert report["peak"] <= 3 * report["window_bytes"] + 1
+        # The fetch API (collective, from the first replica peer) returns every rank's
+        # window with checksums verified, bitwise equal to what that rank holds locally.
+        for steps_pieces in report["fetched"].values():
+            assert sorted(steps_pieces) == list(range(report["common_start"],
+                                                      report["common_start"] + window))
+        assert report["corrupt_error"] is not None
+        assert "rank 0, operator" in report["corrupt_error"]
+        assert f"iteration {report['common_start']}" in report["corrupt_error"]
+        assert report["fetched_without_holder"] == list(range(report["common_start"],
+                                                              report["common_start"] + window))
+    for rank, report in enumerate(ranks):  # fetched copies equal the owners' local pieces
+        owner = ranks[rank]
+        if owner["start"] == report["common_start"]:
+            for step, pieces in owner["local"].items():
+                for operator, tensors in pieces.items():
+                    for name, tensor in tensors.items():
+                        got = ranks[0]["fetched"][rank][step][operator]["tensors"][name]
+                        assert torch.equal(got, tensor)
 
 
 def test_missing_piece_is_refused_by_name() -> None:

@@ -205,11 +205,34 @@ class RoundRobinPlanner:
                            self.window, None)
 
 
+def replica_peers_of(rank: int) -> list[int]:
+    """Replica placement of the 4-rank, one-rank-per-node test world with 2 replicas."""
+    from lightning_moe_ckpt.checkpoint.replication import replica_peers
+
+    return replica_peers(rank, dist.get_world_size(), 2, ranks_per_node=1)
+
+
+def _corrupt_one_piece(replicas: Any, source: int, window_start: int) -> None:
+    import io
+
+    from lightning_moe_ckpt.checkpoint.replication import decode_snapshot
+
+    held = replicas.windows[source][window_start]
+    step = min(held)
+    payload = decode_snapshot(held[step])
+    piece = next(iter(payload["pieces"].values()))
+    tensor = next(iter(piece["tensors"].values()))
+    tensor.view(-1)[0] += 1  # the stored checksum no longer matches
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    held[step] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
 def replication_check(settings: RunSettings, steps: int, window: int) -> dict[str, Any]:
     """Train with snapshots replicated to 2 peers; compare every rank's persisted window
     with the copies its peers hold, and report host memory over the run."""
     from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
-    from lightning_moe_ckpt.checkpoint.replication import decode_snapshot
+    from lightning_moe_ckpt.checkpoint.replication import CorruptCheckpointError, decode_snapshot
     from lightning_moe_ckpt.models.transformer import MoETransformer
     from lightning_moe_ckpt.operators import OperatorRegistry
 
@@ -223,18 +246,44 @@ def replication_check(settings: RunSettings, steps: int, window: int) -> dict[st
     for t in range(steps):
         engine.train_iteration(*sampler.iteration(t, shard))
         windows_held.append(len(coordinator.store.windows))
+    replicator = coordinator.replicator
+    assert replicator is not None
+    replicator.drain()
+    coordinator._drain_acks()
+    coordinator.store.refresh()
+    start = coordinator.store.persisted_start
+    assert start is not None
+    starts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(starts, start)
+    common_start = min(starts)  # every rank's store still holds the older of the two
+    fetched = {source: {step: view["pieces"] for step, view in
+                        replicator.fetch_window(source, common_start).items()}
+               for source in range(dist.get_world_size())}
+    held = {source: {step: decode_snapshot(data)["pieces"]
+                     for step, data in coordinator.replica_window(source, start).items()}
+            for source in range(dist.get_world_size())}
+    # A peer's copy of rank 0's window gets a flipped value behind its checksum.
+    holder = replica_peers_of(0)[0]
+    if dist.get_rank() == holder:
+        _corrupt_one_piece(replicator.replicas, 0, common_start)
+    try:
+        replicator.fetch_window(0, common_start)
+        corrupt_error = None
+    except CorruptCheckpointError as error:
+        corrupt_error = str(error)
+    fetched_without_holder = sorted(replicator.fetch_window(0, common_start,
+                                                            exclude=(holder,)))
     coordinator.flush()
     persisted = coordinator.store.persisted()
     assert persisted is not None
     local = {step: {op: {k: v.clone() for k, v in piece.tensors.items()}
                     for op, piece in snap.pieces.items()}
              for step, snap in persisted.snapshots.items()}
-    held = {source: {step: decode_snapshot(data)["pieces"]
-                     for step, data in coordinator.replica_window(source,
-                                                                 persisted.start).items()}
-            for source in range(dist.get_world_size())}
     everything: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, {"local": local, "held": held,
+    dist.all_gather_object(everything, {"local": local, "held": held, "fetched": fetched,
+                                        "common_start": common_start,
+                                        "corrupt_error": corrupt_error,
+                                        "fetched_without_holder": fetched_without_holder,
                                         "start": persisted.start,
                                         "windows_held": windows_held,
                                         "peak": coordinator.store.peak_bytes,

@@ -55,6 +55,8 @@ class CheckpointCoordinator:
         self.replicator = (Replicator(effective, ranks_per_node, acknowledge)
                            if effective > 0 and self.persister is None else None)
         self.replica_store = None if self.replicator is None else self.replicator.replicas
+        # Deterministic placement, recorded in metrics.json.
+        self.replica_peers = [] if self.replicator is None else list(self.replicator.peers)
         self.bytes_per_step: list[int] = []
         self.stall_per_step: list[float] = []
         self.windows_seen: set[int] = set()
@@ -165,5 +167,6 @@ class CheckpointCoordinator:
             "host_buffer_bytes": self.pool.allocated_bytes,
             "replica_bytes": 0 if self.replica_store is None else self.replica_store.nbytes(),
             "replication_lag_max": self.max_replication_lag,
+            "replica_peers": self.replica_peers,
             "persisted_files": [] if self.persister is None else self.persister.written[-2:],
         }

@@ -116,6 +116,7 @@ class Replicator:
                  on_replicated: Callable[[int, int], None]) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.replica_count, self.ranks_per_node = replicas, ranks_per_node
         self.group = dist.new_group(backend="gloo")  # collective: every rank creates it
         self.peers = replica_peers(self.rank, self.world_size, replicas, ranks_per_node)
         self.sources = [s for s in range(self.world_size)
@@ -139,6 +140,36 @@ class Replicator:
         self._queue.put(None)
         self._thread.join()
 
+    def drain(self) -> None:
+        """Wait until every submitted snapshot is replicated (the thread keeps running)."""
+        self._queue.join()
+
+    def fetch_window(self, source: int, window_start: int,
+                     exclude: tuple[int, ...] = ()) -> dict[int, dict[str, Any]]:
+        """``source``'s window as held by its first replica peer not in ``exclude``.
+
+        Collective over the replication group: every rank calls it with the same arguments
+        (after :meth:`drain`). Every rank returns the decoded snapshots by step, each piece's
+        checksum verified; a missing snapshot or a corrupt piece raises
+        :class:`CorruptCheckpointError` naming rank, operator and iteration.
+        """
+        holders = [p for p in replica_peers(source, self.world_size, self.replica_count,
+                                            self.ranks_per_node) if p not in exclude]
+        if not holders:
+            raise CorruptCheckpointError(f"no live replica holds the checkpoint of rank "
+                                         f"{source} (window starting at {window_start})")
+        box: list[Any] = [self.replicas.window(source, window_start)
+                          if self.rank == holders[0] else None]
+        dist.broadcast_object_list(box, src=holders[0], group=self.group)
+        held: dict[int, torch.Tensor] = box[0]
+        snapshots = {step: decode_snapshot(data) for step, data in sorted(held.items())}
+        if not snapshots:
+            raise CorruptCheckpointError(f"checkpoint of rank {source}, window starting at "
+                                         f"{window_start} is missing on replica {holders[0]}")
+        window = next(iter(snapshots.values()))["window"]
+        verify_window(snapshots, source, window_start, window, expected=lambda step: [])
+        return snapshots
+
     def _run(self) -> None:
         while (snapshot := self._queue.get()) is not None:
             snapshot.checksummed.wait()
@@ -156,6 +187,8 @@ class Replicator:
                 self.replicas.put(source, snapshot.plan.window_start, snapshot.step, payload)
             self.lag -= 1
             self.on_replicated(snapshot.plan.window_start, snapshot.step)
+            self._queue.task_done()
+        self._queue.task_done()
 
 
 def _wait(ops: list[dist.P2POp]) -> None:
