@@ -290,3 +290,35 @@ def replication_check(settings: RunSettings, steps: int, window: int) -> dict[st
                                         "window_bytes": persisted.nbytes})
     coordinator.close()
     return {"ranks": everything}
+
+
+def rollback_check(settings: RunSettings, window: int, fail_step: int,
+                   failed_ranks: list[int]) -> dict[str, Any]:
+    """Train with moevement snapshots replicated to 2 peers; at ``fail_step`` destroy the
+    failed ranks' state and roll every rank back globally. Returns rank 0's consolidated
+    state, the losses and what the recovery did."""
+    from lightning_moe_ckpt.callbacks import SparseCheckpointing
+    from lightning_moe_ckpt.recovery.faults import destroy_rank_state
+    from lightning_moe_ckpt.recovery.global_rollback import global_rollback
+
+    engine, coords, sampler, shard = _rank_engine(settings)
+    rank = dist.get_rank()
+    checkpointing = SparseCheckpointing("moevement", replicas=2, window=window)
+    coordinator = checkpointing.attach(engine, rank=rank, world_size=dist.get_world_size())
+    losses, report, destroyed = [], None, False
+    for step in range(settings.max_steps):
+        if step == fail_step:
+            if rank in failed_ranks:
+                destroy_rank_state(engine.model, engine.optimizer)
+                destroyed = all(bool(torch.isnan(p).all()) for p in engine.model.parameters())
+            report = global_rollback(coordinator, lambda t: sampler.iteration(t, shard), step,
+                                     failed_ranks)
+        losses.append(float(engine.train_iteration(*sampler.iteration(step, shard)).loss))
+    checkpointing.close()
+    state = gather_consolidated_state(engine, coords, settings.max_steps)
+    assert report is not None
+    facts = {"destroyed": destroyed, "window_start": report.window_start,
+             "replayed": report.replayed}
+    everything: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, facts)
+    return {"state": state, "losses": losses, "ranks": everything}

@@ -92,6 +92,16 @@ class CheckpointCoordinator:
         if self.replicator is not None:
             self.max_replication_lag = max(self.max_replication_lag, self.replicator.lag)
 
+    def take_base_snapshot(self) -> None:
+        """Dense snapshot of the current state as a window of one (the initial state, or
+        the state right after a recovery), so a recovery point exists until the next
+        window persists."""
+        from lightning_moe_ckpt.checkpoint.planners import CapturePlan
+
+        step = self.engine.step - 1
+        names = tuple(self.engine.registry.names)
+        self._take(CapturePlan(step, names, (), step, 0, 1, None), result=None)
+
     def _take(self, plan: CapturePlan, result: IterationResult | None) -> int:
         snapshot = self.snapshots.issue(plan, self._metadata(plan, result))
         self.store.add(snapshot)
