@@ -22,8 +22,9 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
 from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
+from lightning_moe_ckpt.recovery.faults import schedule_from_config
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
@@ -51,6 +52,16 @@ class TrainedState:
     data_shard: int = 0
     strategy_core: Any = None
     checkpointing: SparseCheckpointing | None = None
+    injector: FailureInjector | None = None
+
+
+def _failure_injector(settings: RunSettings,
+                      checkpointing: SparseCheckpointing | None) -> FailureInjector | None:
+    if settings.faults.get("name", "none") == "none" or checkpointing is None:
+        return None
+    schedule = schedule_from_config(settings.faults, world_size=settings.layout.world_size,
+                                    max_steps=settings.max_steps, seed=settings.seed)
+    return FailureInjector(schedule, checkpointing)
 
 
 def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
@@ -87,6 +98,7 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
                         history: TrainingHistory) -> TrainedState:
     module = MoELanguageModule(settings, history, data)
     checkpointing = _checkpointing(settings)
+    injector = _failure_injector(settings, checkpointing)
     distributed = settings.layout.world_size > 1
     strategy: Any = (TrainerMoEParallelStrategy(**_strategy_args(settings)) if distributed
                      else "auto")
@@ -97,14 +109,14 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
         num_sanity_val_steps=0, val_check_interval=settings.val_every,
         check_val_every_n_epoch=None, log_every_n_steps=settings.log_every,
         default_root_dir=settings.out_dir, use_distributed_sampler=False,
-        callbacks=[checkpointing] if checkpointing is not None else [],
+        callbacks=[c for c in (checkpointing, injector) if c is not None],
         plugins=[AsyncCheckpointIO()] if settings.checkpoint.durable_every else None,
         **(_launch_settings(settings) if distributed else {"accelerator": "cpu", "devices": 1}),
     )
     trainer.fit(module, ckpt_path=settings.ckpt_path)
     core = strategy.core if distributed else None
     return TrainedState(module._engine(), trainer.global_step, trainer.global_rank,
-                        module.data_shard, core, checkpointing)
+                        module.data_shard, core, checkpointing, injector)
 
 
 def _train_with_fabric(settings: RunSettings, data: RunData,
@@ -124,6 +136,10 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
         checkpointing.attach(engine, rank=fabric.global_rank, world_size=fabric.world_size,
                              ranks_per_node=max(1, _launch_settings(settings)["devices"]),
                              device=fabric.device)
+    injector = _failure_injector(settings, checkpointing)
+    if injector is not None:
+        injector.attach(engine, lambda t: data.train.iteration(t, shard), fabric.global_rank,
+                        fabric.world_size)
     layer_ids = list(range(settings.model.n_layers))
     metrics = ValidationMetrics()
     train = IterationDataset(data.train, settings.max_steps, shard=shard)
@@ -153,7 +169,7 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     for logger in fabric.loggers:
         logger.finalize("success")
     return TrainedState(engine, settings.max_steps, fabric.global_rank, shard,
-                        strategy.core if distributed else None, checkpointing)
+                        strategy.core if distributed else None, checkpointing, injector)
 
 
 def run_training(cfg: DictConfig) -> dict[str, Any]:
@@ -180,6 +196,9 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
                              "data_fingerprint": data.corpus.fingerprint}
     if trained.checkpointing is not None:
         extra.update(trained.checkpointing.metrics(sum(history.iteration_seconds)))
+    if trained.injector is not None:
+        extra.update(trained.injector.metrics())
+        print(trained.injector.report())
     metrics = write_metrics(out_dir / METRICS, settings, history, extra)
     plot_training(out_dir / PLOT, history, f"{settings.model.name}, {settings.api}")
     return metrics

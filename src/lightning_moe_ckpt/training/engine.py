@@ -81,6 +81,10 @@ class TrainingEngine:
                         clip_coef: torch.Tensor | None = None) -> IterationResult:
         """One optimizer step. ``backward``/``step`` let Lightning wrap them (defaults:
         ``loss.backward()`` and the raw optimizer step)."""
+        for hook in list(self.hooks):  # e.g. failure injection, which may recover first
+            before_iteration = getattr(hook, "before_iteration", None)
+            if before_iteration is not None:
+                before_iteration(self.step)
         optimizer_step = step if step is not None else self.optimizer.step
         index = self.step
 

@@ -122,6 +122,7 @@ class RunSettings:
     progress_bar: bool
     out_dir: str
     ckpt_path: str | None = None
+    faults: dict[str, Any] = field(default_factory=dict)
 
 
 def _section(cfg: DictConfig, key: str) -> dict[str, Any]:
@@ -185,8 +186,17 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
         progress_bar=bool(trainer.get("progress_bar", True)),
         out_dir=str(cfg.get("out_dir", "outputs")),
         ckpt_path=None if cfg.get("ckpt_path") is None else str(cfg.get("ckpt_path")),
+        faults=_section(cfg, "faults"),
     )
     require(settings.max_steps >= 1, f"trainer.max_steps={settings.max_steps} must be >= 1")
+    if settings.faults.get("name", "none") != "none":
+        from lightning_moe_ckpt.recovery.faults import schedule_from_config
+
+        schedule_from_config(settings.faults, world_size=layout.world_size,
+                             max_steps=settings.max_steps, seed=settings.seed)  # validates
+        require(settings.checkpoint.policy != "none",
+                f"faults={settings.faults['name']} needs a checkpoint policy to recover "
+                "from (checkpoint=none was given)")
     require(settings.val_every >= 1, f"trainer.val_every={settings.val_every} must be >= 1")
     require(settings.log_every >= 1, f"trainer.log_every={settings.log_every} must be >= 1")
     return settings

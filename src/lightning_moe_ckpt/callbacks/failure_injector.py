@@ -1,0 +1,116 @@
+"""``FailureInjector``: fail ranks at scheduled steps and recover, for tests and benchmarks.
+
+Before iteration ``t`` runs, the injector asks its schedule (``at``, ``mtbf`` or ``trace``,
+see :mod:`lightning_moe_ckpt.recovery.faults`) for failures at ``t``. Every rank knows the
+schedule, so all of them enter recovery together: the failed ranks' state is destroyed as a
+dead worker's would be (weights garbage, master weights and optimizer state gone, host
+snapshots and held replicas dropped), then all ranks roll back to the common persisted
+window and replay to ``t`` (global rollback); a single process recovers from its own host
+store. Iteration ``t`` then runs as if nothing happened. The injector counts what it fired
+and records a report per recovery (window, iterations replayed, ranks, phase timings).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
+from lightning_moe_ckpt.recovery.faults import (
+    FailureCounter,
+    FaultSchedule,
+    destroy_rank_state,
+)
+from lightning_moe_ckpt.recovery.global_rollback import global_rollback
+from lightning_moe_ckpt.recovery.replay import recover_from_store
+from lightning_moe_ckpt.training.engine import TrainingEngine
+
+BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class FailureInjector(L.Callback):
+    """Injects the failures of ``schedule`` and recovers through ``checkpointing``."""
+
+    def __init__(self, schedule: FaultSchedule, checkpointing: SparseCheckpointing) -> None:
+        self.schedule = schedule
+        self.checkpointing = checkpointing
+        self.counter = FailureCounter()
+        self.recoveries: list[dict[str, Any]] = []
+        self.engine: TrainingEngine | None = None
+        self.batch: BatchFn | None = None
+        self.rank, self.world_size = 0, 1
+
+    def attach(self, engine: TrainingEngine, batch: BatchFn, rank: int = 0,
+               world_size: int = 1) -> None:
+        """Start injecting into ``engine``; ``batch(t)`` gives this rank's data of step t."""
+        if self.checkpointing.coordinator is None:
+            raise RuntimeError("attach SparseCheckpointing before FailureInjector")
+        self.engine, self.batch = engine, batch
+        self.rank, self.world_size = rank, world_size
+        engine.hooks.append(self)
+
+    def before_iteration(self, step: int) -> None:
+        events = self.schedule.events_at(step)
+        if not events:
+            return
+        assert self.engine is not None and self.batch is not None
+        coordinator = self.checkpointing.coordinator
+        detected = time.perf_counter()
+        failed = sorted({event.rank for event in events})
+        for event in events:
+            self.counter.record(event)
+        if self.rank in failed:
+            destroy_rank_state(self.engine.model, self.engine.optimizer)
+        if self.world_size > 1:
+            report = global_rollback(coordinator, self.batch, step, failed)
+        else:  # one process: its host memory survives a device failure
+            report = recover_from_store(coordinator, self.batch, step)
+        phases = dict(report.phases_s)
+        phases["total"] = time.perf_counter() - detected
+        self.recoveries.append({
+            "failed_step": step, "failed_ranks": failed,
+            "failed_phases": sorted({event.phase for event in events}),
+            "window_start": report.window_start, "window": report.window,
+            "iterations_replayed": report.replayed,
+            "ranks_rolled_back": list(range(self.world_size)), "lost_tokens": 0,
+            "timings_s": phases,
+        })
+
+    def before_optimizer_step(self, step: int) -> None:
+        return None
+
+    def after_optimizer_step(self, step: int, result: Any) -> None:
+        return None
+
+    def metrics(self) -> dict[str, Any]:
+        """Failure and recovery figures for ``metrics.json``."""
+        return {"failures_injected": self.counter.total, "failures": self.counter.as_dict(),
+                "recoveries": self.recoveries,
+                "iterations_replayed": sum(r["iterations_replayed"] for r in self.recoveries)}
+
+    def report(self) -> str:
+        """A short human-readable report."""
+        lines = [f"failures injected: {self.counter.total}"]
+        for r in self.recoveries:
+            timing = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["timings_s"].items())
+            lines.append(
+                f"  step {r['failed_step']}: ranks {r['failed_ranks']} failed; rolled back "
+                f"{len(r['ranks_rolled_back'])} ranks to window {r['window_start']} "
+                f"(W={r['window']}), replayed {r['iterations_replayed']} iterations, lost "
+                f"tokens {r['lost_tokens']}; {timing}")
+        return "\n".join(lines)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = getattr(pl_module, "engine", None)
+        run_data = getattr(pl_module, "run_data", None)
+        if not isinstance(engine, TrainingEngine) or run_data is None:
+            raise TypeError("FailureInjector needs a MoELanguageModule-like module")
+        sampler, shard = run_data().train, getattr(pl_module, "data_shard", 0)
+        self.attach(engine, lambda t: sampler.iteration(t, shard), trainer.global_rank,
+                    trainer.world_size)

@@ -1,0 +1,46 @@
+"""``faults=at`` in the training recipe: trains through an injected failure (global
+rollback with replay) and ends bitwise equal to the fault-free run, through both APIs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.recipes.test_train_recipe import assert_states_equal, run_recipe
+
+pytestmark = pytest.mark.slow
+
+COMMON = ("parallel.pp=2", "parallel.ep=2", "parallel.microbatches=4", "trainer.max_steps=16",
+          "checkpoint.window=3")
+
+
+@pytest.mark.parametrize("api", ["trainer", "fabric"])
+def test_training_through_an_injected_failure_is_bitwise(tmp_path: Path, api: str) -> None:
+    golden = run_recipe(tmp_path / "golden", f"api={api}", *COMMON)
+    assert golden.returncode == 0, golden.stderr[-4000:]
+    failed = run_recipe(tmp_path / "failed", f"api={api}", *COMMON, "faults=at",
+                        "faults.events=[{step: 13, rank: 3}]")
+    assert failed.returncode == 0, failed.stderr[-4000:]
+    assert "failures injected: 1" in failed.stdout
+    metrics = json.loads((tmp_path / "failed" / "metrics.json").read_text())
+    assert metrics["failures_injected"] == 1
+    recovery = metrics["recoveries"][0]
+    assert recovery["failed_step"] == 13 and recovery["failed_ranks"] == [3]
+    assert recovery["lost_tokens"] == 0 and recovery["window"] == 3
+    assert 0 < 13 - recovery["window_start"] <= 2 * 3 + 1
+    assert recovery["iterations_replayed"] == 13 - recovery["window_start"] - 1
+    golden_losses = json.loads((tmp_path / "golden" / "metrics.json").read_text())["loss"]
+    assert metrics["loss"] == golden_losses
+    assert_states_equal(tmp_path / "golden" / "final_state.pt",
+                        tmp_path / "failed" / "final_state.pt")
+
+
+def test_faults_without_checkpointing_is_refused(tmp_path: Path) -> None:
+    result = run_recipe(tmp_path, "faults=at", "faults.events=[{step: 2, rank: 0}]",
+                        "checkpoint=none")
+    assert result.returncode != 0
+    assert "faults=at needs a checkpoint policy" in result.stderr
+    result = run_recipe(tmp_path, "faults=at", "faults.events=[{step: 2, rank: 5}]")
+    assert result.returncode != 0 and "faults.events[0].rank=5" in result.stderr
