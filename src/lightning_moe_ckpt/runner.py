@@ -128,10 +128,12 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
                       **(_launch_settings(settings) if distributed
                          else {"accelerator": "cpu", "devices": 1}))
     fabric.launch()
+    checkpointing = _checkpointing(settings)
+    if checkpointing is not None and distributed:
+        checkpointing.hook_into(strategy.core)  # boundary logging needs the hook first
     engine = strategy.build_engine(settings) if distributed else TrainingEngine.local(settings)
     shard = strategy.core.data_shard if distributed else 0
     _, wrapped_optimizer = fabric.setup(engine.model, engine.optimizer)
-    checkpointing = _checkpointing(settings)
     if checkpointing is not None:
         checkpointing.attach(engine, rank=fabric.global_rank, world_size=fabric.world_size,
                              ranks_per_node=max(1, _launch_settings(settings)["devices"]),

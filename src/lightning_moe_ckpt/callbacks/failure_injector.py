@@ -65,7 +65,9 @@ class FailureInjector(L.Callback):
         for event in events:
             self.counter.record(event)
         if self.rank in failed:
-            destroy_rank_state(self.engine.model, self.engine.optimizer)
+            log = self.checkpointing.upstream_log
+            destroy_rank_state(self.engine.model, self.engine.optimizer,
+                               [log.drop] if log is not None else [])
         if self.world_size > 1:
             report = global_rollback(coordinator, self.batch, step, failed)
         else:  # one process: its host memory survives a device failure

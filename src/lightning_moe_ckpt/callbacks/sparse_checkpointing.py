@@ -29,6 +29,7 @@ from lightning_moe_ckpt.checkpoint.planners import CapturePlan, make_planner, pl
 from lightning_moe_ckpt.checkpoint.profiler import IterationProfiler, measure_bandwidth
 from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
 from lightning_moe_ckpt.errors import fmt, require
+from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 from lightning_moe_ckpt.training.engine import TrainingEngine
 
 _BANDWIDTH_PROBE_BYTES = 32 * 2**20
@@ -72,7 +73,8 @@ class SparseCheckpointing(L.Callback):
 
     def __init__(self, policy: str = "moevement", replicas: int = 2,
                  warmup_iterations: int = 3, durable_every: int | None = None,
-                 durable_dir: str | None = None, **options: Any) -> None:
+                 durable_dir: str | None = None, upstream_logging: bool = True,
+                 **options: Any) -> None:
         known = planner_options(policy)  # raises for an unknown policy
         unknown = sorted(set(options) - known)
         require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)}"
@@ -97,6 +99,10 @@ class SparseCheckpointing(L.Callback):
         self.warmup_iterations = warmup_iterations
         self.options = options
         self.coordinator: CheckpointCoordinator | None = None
+        # Pipeline-boundary activations/gradients and per-iteration scalars since the
+        # older window's start: what localized recovery replays a failed stage from.
+        self.upstream_log = UpstreamLog() if upstream_logging else None
+        self._upstream_log_peak = 0
         self._pending_state: dict[str, Any] | None = None
         self._started = 0.0
 
@@ -134,11 +140,28 @@ class SparseCheckpointing(L.Callback):
         self.coordinator = CheckpointCoordinator(
             engine, planner, rank, world_size, self.replicas, ranks_per_node, device,
             copy_delay_s, initial_plan=initial, persist_dir=persist_dir)
+        if self.upstream_log is not None:
+            engine.hooks.append(self)
+            self.coordinator.store.release_listeners.append(self.upstream_log.release_before)
         if hasattr(planner, "set_profile") and options.get("window") is None:
             engine.hooks.append(_ProfilingHook(self.coordinator, self.warmup_iterations,
                                                device))
         self._started = time.perf_counter()
         return self.coordinator
+
+    def hook_into(self, core: Any) -> None:
+        """Log pipeline-boundary tensors of the strategy ``core`` (before its engine is
+        built: the Trainer does this in :meth:`setup`; Fabric users call it themselves)."""
+        if self.upstream_log is not None and self.upstream_log not in core.boundary_hooks:
+            self.upstream_log.attach(core.boundary_hooks)
+
+    def before_optimizer_step(self, step: int) -> None:
+        return None
+
+    def after_optimizer_step(self, step: int, result: Any) -> None:
+        if self.upstream_log is not None:
+            self.upstream_log.log_scalars(step, result.clip_coef, 1.0, result.lr)
+            self._upstream_log_peak = max(self._upstream_log_peak, self.upstream_log.nbytes())
 
     def close(self) -> None:
         """Finish outstanding copies and replication."""
@@ -153,6 +176,7 @@ class SparseCheckpointing(L.Callback):
         figures["reorders"] = getattr(self.coordinator.planner, "reorders", 0)
         figures["profile"] = getattr(self.coordinator, "profile", None)
         figures["durable_checkpoints"] = list(self.durable_saved)
+        figures["upstream_log_bytes_peak"] = self._upstream_log_peak
         return figures
 
     def step_values(self) -> dict[str, float]:
@@ -170,6 +194,12 @@ class SparseCheckpointing(L.Callback):
             "checkpoint/replication_lag": float(replicator.lag if replicator else 0),
             "checkpoint/host_bytes": float(coordinator.store.host_bytes()),
         }
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        core = getattr(trainer.strategy, "core", None)
+        if core is not None:
+            self.hook_into(core)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
