@@ -322,3 +322,44 @@ def rollback_check(settings: RunSettings, window: int, fail_step: int,
     everything: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, facts)
     return {"state": state, "losses": losses, "ranks": everything}
+
+
+def localized_check(settings: RunSettings, window: int, fail_step: int,
+                    failed_ranks: list[int]) -> dict[str, Any]:
+    """Like :func:`rollback_check`, but recovering only the failed stages from the
+    neighbours' upstream logs while the other ranks pause."""
+    from lightning_moe_ckpt.callbacks import SparseCheckpointing
+    from lightning_moe_ckpt.recovery.faults import destroy_rank_state
+    from lightning_moe_ckpt.recovery.localized import localized_rollback
+
+    plan = settings.layout
+    mesh = init_device_mesh("cpu", (plan.pp, plan.dp, plan.ep), mesh_dim_names=("pp", "dp", "ep"))
+    coords = Coordinates(*mesh.get_coordinate())
+    checkpointing = SparseCheckpointing("moevement", replicas=2, window=window)
+    assert checkpointing.upstream_log is not None
+    engine = build_parallel_engine(settings, mesh, torch.device("cpu"),
+                                   [checkpointing.upstream_log])
+    sampler = build_data(settings).train
+    shard = coords.dp * plan.ep + coords.ep
+    rank = dist.get_rank()
+    coordinator = checkpointing.attach(engine, rank=rank, world_size=dist.get_world_size())
+    losses, report, destroyed = [], None, False
+    for step in range(settings.max_steps):
+        if step == fail_step:
+            if rank in failed_ranks:
+                destroy_rank_state(engine.model, engine.optimizer,
+                                   [checkpointing.upstream_log.drop])
+                destroyed = True
+            report = localized_rollback(coordinator, checkpointing.upstream_log, plan, coords,
+                                        lambda t: sampler.iteration(t, shard), step,
+                                        failed_ranks)
+        losses.append(float(engine.train_iteration(*sampler.iteration(step, shard)).loss))
+    checkpointing.close()
+    state = gather_consolidated_state(engine, coords, settings.max_steps)
+    facts = {"destroyed": destroyed, "in_scope": report is not None,
+             "paused_calls": getattr(coordinator, "paused_forward_backward", None),
+             "replay_calls": None if report is None
+             else report.phases_s.get("forward_backward_calls")}
+    everything: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, facts)
+    return {"state": state, "losses": losses, "ranks": everything}

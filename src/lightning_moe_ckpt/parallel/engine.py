@@ -70,6 +70,10 @@ class DistributedExecutor:
         self.groups = groups
         self.runner = runner
         self.iteration = 0
+        # During a localized replay only the recovery scope runs: no collective may span
+        # the world, and forward/backward passes are counted (paused ranks run none).
+        self.replaying = False
+        self.forward_backward_calls = 0
         self.index = {name: i for i, name in enumerate(full_names)}
         self.n_layers = n_layers
         names = [name for name, _ in model.named_parameters()]
@@ -85,6 +89,7 @@ class DistributedExecutor:
                          loss_fn: LossFn, backward: Backward) -> torch.Tensor:
         iteration = self.iteration
         self.iteration += 1
+        self.forward_backward_calls += 1
         if self.runner is not None:
             return self.runner.run(iteration, inputs, targets)
         total = torch.zeros((), dtype=torch.float32, device=inputs.device)
@@ -126,7 +131,8 @@ class DistributedExecutor:
         device = next(self.model.parameters()).device
         owned = {name: grad for name, grad in grads.items() if self.owns_norm[name]}
         vector = norm_vector(owned, self.index, len(self.index), device)
-        dist.all_reduce(vector, group=self.groups.world)
+        if not self.replaying:  # replay supplies the logged clip coefficient instead
+            dist.all_reduce(vector, group=self.groups.world)
         return torch.linalg.vector_norm(vector)
 
     def iteration_stats(self, loss_sum: torch.Tensor, microbatches: int) -> IterationStats:
@@ -144,7 +150,8 @@ class DistributedExecutor:
             dropped = dropped + moe.dropped_assignments
         packed = torch.cat([loss_sum.reshape(1), aux.reshape(1), dropped.reshape(1),
                             load.flatten(), soft.flatten()])
-        dist.all_reduce(packed, group=self.groups.world)
+        if not self.replaying:
+            dist.all_reduce(packed, group=self.groups.world)
         scale = self.plan.data_shards * microbatches
         cells = self.n_layers * n_experts
         return IterationStats(loss=packed[0] / scale, aux_loss=packed[1] / scale,

@@ -77,6 +77,44 @@ class HookedPipelineStage(PipelineStage):
         for hook in self.hooks:
             hook(event)
 
+    # -- replay: logged tensors stand in for a paused neighbour --------------------------
+    # ``replay_prev`` (micro-batch -> activations the previous stage sent) replaces the
+    # receives from a previous stage that is not replaying, and drops the gradients that
+    # would be sent back to it; ``replay_next`` does the same toward the next stage.
+
+    replay_prev: dict[int, tuple[torch.Tensor, ...]] | None = None
+    replay_next: dict[int, tuple[torch.Tensor | None, ...]] | None = None
+
+    @override
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        if self.replay_prev is None or self.is_first:
+            return super().get_fwd_recv_ops(fwd_chunk_id)
+        for info, tensor in zip(self.args_recv_info[fwd_chunk_id],
+                                self.replay_prev[fwd_chunk_id], strict=True):
+            info.buffer = tensor.detach().clone()
+        return []
+
+    @override
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        if self.replay_next is None or self.is_last or not self.has_backward:
+            return super().get_bwd_recv_ops(bwd_chunk_id)
+        for info, grad in zip(self.grad_recv_info[bwd_chunk_id],
+                              self.replay_next[bwd_chunk_id], strict=True):
+            if info.buffer is not None:
+                info.buffer = (torch.zeros_like(info.buffer)
+                               if grad is None else grad.detach().clone())
+        return []
+
+    @override
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        return [] if self.replay_next is not None else ops
+
+    @override
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)  # pops the cache either way
+        return [] if self.replay_prev is not None else ops
+
 
 class PipelineRunner:
     """A pipeline rank's stages and schedule; runs one iteration's micro-batches."""
@@ -100,6 +138,9 @@ class PipelineRunner:
             self.stages.append(HookedPipelineStage(
                 module, stage_index, plan.num_stages, device, input_args=(example_in,),
                 output_args=(example_out,), group=group, hooks=hooks))
+        # iteration -> stage index -> (logged activations from the previous stage,
+        # logged gradients from the next stage), set for a localized replay.
+        self.replay: dict[int, dict[int, tuple[Any, Any]]] = {}
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
         self.schedule: Schedule1F1B | ScheduleInterleaved1F1B
@@ -114,14 +155,20 @@ class PipelineRunner:
     def run(self, iteration: int, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """All micro-batches of ``inputs``/``targets`` (``[M, b, S]``); returns the summed
         micro-batch loss on the rank holding the last stage, zero elsewhere."""
+        logged = self.replay.get(iteration, {})
         for stage in self.stages:
             stage.iteration = iteration
+            stage.replay_prev, stage.replay_next = logged.get(stage.stage_index, (None, None))
         args = (inputs.flatten(0, 1),) if self.has_first else ()
         losses: list[torch.Tensor] = []
-        if self.has_last:
-            self.schedule.step(*args, target=targets.flatten(0, 1), losses=losses)
-        else:
-            self.schedule.step(*args)
+        try:
+            if self.has_last:
+                self.schedule.step(*args, target=targets.flatten(0, 1), losses=losses)
+            else:
+                self.schedule.step(*args)
+        finally:
+            for stage in self.stages:
+                stage.replay_prev = stage.replay_next = None
         return _sequential_sum(losses, inputs.device)
 
     @torch.no_grad()

@@ -80,9 +80,12 @@ def _restore_schedule(engine: TrainingEngine, metadata: Mapping[str, Any]) -> No
 
 
 def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
-                    batch: Callable[[int], Batch], failed_step: int) -> RecoveryReport:
+                    batch: Callable[[int], Batch], failed_step: int,
+                    clip_coefs: Mapping[int, torch.Tensor] | None = None) -> RecoveryReport:
     """Rebuild the dense state from ``window`` and replay up to ``failed_step`` (the
-    iteration that did not complete); the engine is then ready to run it again."""
+    iteration that did not complete); the engine is then ready to run it again.
+    ``clip_coefs`` (logged per iteration) replace every recomputed clip coefficient: a
+    localized replay cannot form the global gradient norm."""
     window = sorted(window, key=lambda view: view["step"])
     start = window[0]["step"]
     report = RecoveryReport(start, len(window), failed_step)
@@ -102,7 +105,7 @@ def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
         converting = time.perf_counter()
         for view in window[1:]:
             step = view["step"]
-            clip = view["metadata"]["clip_coef"]
+            clip = view["metadata"]["clip_coef"] if clip_coefs is None else clip_coefs[step]
             engine.train_iteration(*batch(step), clip_coef=clip)
             report.replayed += 1
             for operator, piece in view["pieces"].items():
@@ -118,7 +121,8 @@ def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
         report.phases_s["convert"] = time.perf_counter() - converting
         replaying = time.perf_counter()
         for step in range(start + len(window), failed_step):
-            engine.train_iteration(*batch(step))
+            engine.train_iteration(*batch(step),
+                                   clip_coef=None if clip_coefs is None else clip_coefs[step])
             report.replayed += 1
         report.phases_s["replay"] = time.perf_counter() - replaying
     finally:

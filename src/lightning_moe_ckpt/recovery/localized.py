@@ -1,0 +1,142 @@
+"""Localized rollback: only the failed stages' ranks roll back; everyone else pauses.
+
+With upstream logging, a failed rank's recovery scope is its pipeline stage (all dp x ep
+ranks of it; contiguous failed stages recover jointly, see :mod:`.scope`). Every rank
+calls :func:`localized_rollback` at the failed iteration (a collective):
+
+1. copies and replication are drained; the failed ranks' host state is gone;
+2. all ranks agree on the newest window persisted on every surviving rank; scope ranks
+   that no longer hold it fetch it from replicas (checksums verified);
+3. the neighbours of a scope (the stages just outside it) hand over the activations and
+   gradients they logged for the iterations to replay, and a surviving rank the logged
+   clip coefficients;
+4. scope ranks run sparse-to-dense conversion and replay through their own pipeline
+   stages, with the logged tensors standing in for the paused neighbours (no P2P leaves
+   the scope) and the logged clip coefficients (the global norm needs every stage);
+   ranks outside the scope run no forward or backward at all;
+5. everyone resumes at the failed iteration.
+
+Interleaved schedules (several stages per pipeline rank) recover by global rollback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_moe_ckpt.checkpoint.replication import CorruptCheckpointError
+from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
+from lightning_moe_ckpt.recovery.global_rollback import _discard_all
+from lightning_moe_ckpt.recovery.replay import (
+    Batch,
+    RecoveryReport,
+    SnapshotView,
+    snapshot_view,
+    sparse_to_dense,
+)
+from lightning_moe_ckpt.recovery.scope import recovery_scopes
+from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
+
+
+def _neighbour_logs(log: UpstreamLog, plan: ParallelPlan, coords: Coordinates,
+                    scope_pp: set[int], iterations: range) -> dict[str, Any]:
+    """What this rank hands to the scope: its logged sends toward it, and scalars."""
+    handed: dict[str, Any] = {"activation": {}, "gradient": {}, "clip": {}}
+    p = coords.pp
+    if p not in scope_pp:
+        for t in iterations:
+            if p + 1 in scope_pp:
+                handed["activation"][t] = log.activations(t, stage=p)
+            if p - 1 in scope_pp:
+                handed["gradient"][t] = log.gradients(t, stage=p)
+            scalars = log.scalars(t)
+            if scalars is not None:
+                handed["clip"][t] = torch.as_tensor(scalars.clip_coef).detach().clone()
+    return handed
+
+
+def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
+                       coords: Coordinates, batch: Callable[[int], Batch], failed_step: int,
+                       failed_ranks: Iterable[int]) -> RecoveryReport | None:
+    """Recover the failed ranks' stages from logs; returns the report on scope ranks and
+    ``None`` on paused ones."""
+    if plan.stages_per_rank != 1:
+        raise ValueError("localized rollback needs one stage per pipeline rank; "
+                         "interleaved schedules recover by global rollback")
+    started = time.perf_counter()
+    failed = tuple(sorted(set(failed_ranks)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    scopes = recovery_scopes(plan, failed, upstream_logging=True)
+    scope_pp = {p for scope in scopes for p in scope.stages}
+    in_scope = coords.pp in scope_pp
+    executor = coordinator.engine.executor
+    replicator = coordinator.replicator
+    coordinator.snapshots.wait_copies()
+    if replicator is not None:
+        replicator.drain()
+    coordinator._drain_acks()
+    coordinator.store.refresh()
+    if rank in failed:
+        _discard_all(coordinator)
+        if replicator is not None:
+            replicator.replicas.windows.clear()
+    starts: list[Any] = [None] * world
+    dist.all_gather_object(starts, coordinator.store.persisted_start)
+    live = [s for s in starts if s is not None]
+    if not live:
+        raise CorruptCheckpointError("no surviving rank holds a persisted checkpoint")
+    common = min(live)
+    record = coordinator.store.windows.get(common)
+    needs: list[Any] = [None] * world
+    dist.all_gather_object(needs, in_scope and not (record is not None and record.persisted))
+    views: list[SnapshotView] | None = None
+    for source, needed in enumerate(needs):
+        if needed:
+            if replicator is None:
+                raise CorruptCheckpointError(f"rank {source} lost the window starting at "
+                                             f"{common} and no replica holds a copy")
+            fetched = replicator.fetch_window(source, common, exclude=failed)
+            if source == rank:
+                views = list(fetched.values())
+    iterations = range(common + 1, failed_step)
+    handed: list[Any] = [None] * world
+    dist.all_gather_object(handed, _neighbour_logs(log, plan, coords, scope_pp, iterations))
+    fetched_at = time.perf_counter()
+    report = None
+    calls_before = getattr(executor, "forward_backward_calls", 0)
+    if in_scope:
+        if views is None:
+            assert record is not None
+            views = [snapshot_view(s) for s in record.snapshots.values()]
+        clip = {t: c for part in handed for t, c in part["clip"].items()}
+        previous = plan.rank_of(Coordinates(coords.pp - 1, coords.dp, coords.ep)) \
+            if coords.pp > 0 and coords.pp - 1 not in scope_pp else None
+        following = plan.rank_of(Coordinates(coords.pp + 1, coords.dp, coords.ep)) \
+            if coords.pp + 1 < plan.pp and coords.pp + 1 not in scope_pp else None
+        runner = executor.runner
+        runner.replay = {t: {coords.pp: (
+            None if previous is None else handed[previous]["activation"][t],
+            None if following is None else handed[following]["gradient"][t])}
+            for t in iterations}
+        executor.replaying = True
+        try:
+            report = sparse_to_dense(coordinator.engine, views, batch, failed_step, clip)
+        finally:
+            executor.replaying = False
+            runner.replay = {}
+    else:  # paused: keep the live state, run nothing
+        coordinator.engine.step = failed_step
+    dist.barrier()
+    _discard_all(coordinator)
+    coordinator.planner.on_recovery(failed_step)
+    coordinator.take_base_snapshot()
+    calls = getattr(executor, "forward_backward_calls", 0) - calls_before
+    if report is not None:
+        report.phases_s["fetch"] = fetched_at - started
+        report.phases_s["forward_backward_calls"] = float(calls)
+    coordinator.paused_forward_backward = 0 if in_scope else calls
+    return report
