@@ -70,7 +70,8 @@ def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
         return None
     return SparseCheckpointing(checkpoint.policy, checkpoint.replicas,
                                checkpoint.warmup_iterations, checkpoint.durable_every,
-                               checkpoint.durable_dir, **checkpoint.options)
+                               checkpoint.durable_dir, checkpoint.upstream_logging,
+                               **checkpoint.options)
 
 
 def _launch_settings(settings: RunSettings) -> dict[str, Any]:

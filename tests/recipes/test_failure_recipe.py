@@ -16,12 +16,16 @@ COMMON = ("parallel.pp=2", "parallel.ep=2", "parallel.microbatches=4", "trainer.
           "checkpoint.window=3")
 
 
-@pytest.mark.parametrize("api", ["trainer", "fabric"])
-def test_training_through_an_injected_failure_is_bitwise(tmp_path: Path, api: str) -> None:
+@pytest.mark.parametrize(("api", "logging"), [("trainer", True), ("fabric", True),
+                                              ("fabric", False)],
+                         ids=["trainer-localized", "fabric-localized", "fabric-global"])
+def test_training_through_an_injected_failure_is_bitwise(tmp_path: Path, api: str,
+                                                         logging: bool) -> None:
     golden = run_recipe(tmp_path / "golden", f"api={api}", *COMMON)
     assert golden.returncode == 0, golden.stderr[-4000:]
     failed = run_recipe(tmp_path / "failed", f"api={api}", *COMMON, "faults=at",
-                        "faults.events=[{step: 13, rank: 3}]")
+                        "faults.events=[{step: 13, rank: 3}]",
+                        f"checkpoint.upstream_logging={str(logging).lower()}")
     assert failed.returncode == 0, failed.stderr[-4000:]
     assert "failures injected: 1" in failed.stdout
     metrics = json.loads((tmp_path / "failed" / "metrics.json").read_text())
@@ -29,12 +33,17 @@ def test_training_through_an_injected_failure_is_bitwise(tmp_path: Path, api: st
     recovery = metrics["recoveries"][0]
     assert recovery["failed_step"] == 13 and recovery["failed_ranks"] == [3]
     assert recovery["lost_tokens"] == 0 and recovery["window"] == 3
+    # With logging only the failed rank's stage (ranks 2 and 3) rolls back.
+    assert recovery["ranks_rolled_back"] == ([2, 3] if logging else [0, 1, 2, 3])
     assert 0 < 13 - recovery["window_start"] <= 2 * 3 + 1
     assert recovery["iterations_replayed"] == 13 - recovery["window_start"] - 1
     # Rank 0 (stage 0) logs the activations it sends: 4 micro-batches of 2 x 64 x 64 fp32
     # per iteration, freed as windows persist, so at most ~two windows (+2) are held.
     per_iteration = 4 * 2 * 64 * 64 * 4
-    assert 0 < metrics["upstream_log_bytes_peak"] <= (2 * 3 + 2) * per_iteration + 4096
+    if logging:
+        assert 0 < metrics["upstream_log_bytes_peak"] <= (2 * 3 + 2) * per_iteration + 4096
+    else:
+        assert metrics["upstream_log_bytes_peak"] == 0
     golden_losses = json.loads((tmp_path / "golden" / "metrics.json").read_text())["loss"]
     assert metrics["loss"] == golden_losses
     assert_states_equal(tmp_path / "golden" / "final_state.pt",

@@ -4,10 +4,12 @@ Before iteration ``t`` runs, the injector asks its schedule (``at``, ``mtbf`` or
 see :mod:`lightning_moe_ckpt.recovery.faults`) for failures at ``t``. Every rank knows the
 schedule, so all of them enter recovery together: the failed ranks' state is destroyed as a
 dead worker's would be (weights garbage, master weights and optimizer state gone, host
-snapshots and held replicas dropped), then all ranks roll back to the common persisted
-window and replay to ``t`` (global rollback); a single process recovers from its own host
-store. Iteration ``t`` then runs as if nothing happened. The injector counts what it fired
-and records a report per recovery (window, iterations replayed, ranks, phase timings).
+snapshots, logs and held replicas dropped). With upstream logging and one stage per
+pipeline rank only the failed stages roll back, replaying from their neighbours' logs while
+the other ranks pause (localized rollback); otherwise every rank rolls back to the common
+persisted window (global rollback); a single process recovers from its own host store.
+Iteration ``t`` then runs as if nothing happened. The injector counts what it fired and
+records a report per recovery (window, iterations replayed, ranks, phase timings).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
@@ -27,7 +30,9 @@ from lightning_moe_ckpt.recovery.faults import (
     destroy_rank_state,
 )
 from lightning_moe_ckpt.recovery.global_rollback import global_rollback
-from lightning_moe_ckpt.recovery.replay import recover_from_store
+from lightning_moe_ckpt.recovery.localized import localized_rollback
+from lightning_moe_ckpt.recovery.replay import RecoveryReport, recover_from_store
+from lightning_moe_ckpt.recovery.scope import recovery_scopes
 from lightning_moe_ckpt.training.engine import TrainingEngine
 
 BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -68,20 +73,41 @@ class FailureInjector(L.Callback):
             log = self.checkpointing.upstream_log
             destroy_rank_state(self.engine.model, self.engine.optimizer,
                                [log.drop] if log is not None else [])
-        if self.world_size > 1:
-            report = global_rollback(coordinator, self.batch, step, failed)
-        else:  # one process: its host memory survives a device failure
+        plan = self.engine.settings.layout
+        log = self.checkpointing.upstream_log
+        rolled_back = list(range(self.world_size))
+        report: RecoveryReport | None
+        if self.world_size == 1:  # one process: its host memory survives a device failure
             report = recover_from_store(coordinator, self.batch, step)
-        phases = dict(report.phases_s)
-        phases["total"] = time.perf_counter() - detected
+        elif log is not None and plan.pp > 1 and plan.stages_per_rank == 1:
+            scopes = recovery_scopes(plan, failed, upstream_logging=True)
+            rolled_back = sorted(r for scope in scopes for r in scope.ranks)
+            report = localized_rollback(coordinator, log, plan,
+                                        plan.coordinates(self.rank), self.batch, step, failed)
+        else:
+            report = global_rollback(coordinator, self.batch, step, failed)
+        summary = self._agree_on_summary(report)
+        summary["timings_s"]["total"] = time.perf_counter() - detected
         self.recoveries.append({
             "failed_step": step, "failed_ranks": failed,
             "failed_phases": sorted({event.phase for event in events}),
-            "window_start": report.window_start, "window": report.window,
-            "iterations_replayed": report.replayed,
-            "ranks_rolled_back": list(range(self.world_size)), "lost_tokens": 0,
-            "timings_s": phases,
+            "window_start": summary["window_start"], "window": summary["window"],
+            "iterations_replayed": summary["replayed"],
+            "ranks_rolled_back": rolled_back, "lost_tokens": 0,
+            "timings_s": summary["timings_s"],
         })
+
+    def _agree_on_summary(self, report: RecoveryReport | None) -> dict[str, Any]:
+        """Paused ranks have no report of their own: take one from a scope rank."""
+        mine = None if report is None else {
+            "window_start": report.window_start, "window": report.window,
+            "replayed": report.replayed, "timings_s": dict(report.phases_s)}
+        if self.world_size == 1:
+            assert mine is not None
+            return mine
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        return next(s for s in everyone if s is not None)
 
     def before_optimizer_step(self, step: int) -> None:
         return None

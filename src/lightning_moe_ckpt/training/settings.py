@@ -20,7 +20,8 @@ from lightning_moe_ckpt.precision import Precision, parse_precision
 
 Api = Literal["trainer", "fabric"]
 DATA_SOURCES = ("stdlib", "textfile")
-COMMON_CHECKPOINT_KEYS = ("durable_dir", "durable_every", "replicas", "warmup_iterations")
+COMMON_CHECKPOINT_KEYS = ("durable_dir", "durable_every", "replicas", "upstream_logging",
+                          "warmup_iterations")
 PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "schedule")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
                 "seed", "val_batches", "val_every")
@@ -78,6 +79,7 @@ class CheckpointSettings:
     options: dict[str, Any] = field(default_factory=dict)
     durable_every: int | None = None
     durable_dir: str | None = None
+    upstream_logging: bool = True
 
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
@@ -90,6 +92,9 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     warmup = values.pop("warmup_iterations", 3)
     durable_every = values.pop("durable_every", None)
     durable_dir = values.pop("durable_dir", None)
+    upstream_logging = values.pop("upstream_logging", True)
+    require(isinstance(upstream_logging, bool),
+            f"{fmt('checkpoint.upstream_logging', upstream_logging)} must be true or false")
     unknown = sorted(set(values) - known)
     require(not unknown, f"unknown key(s) {', '.join('checkpoint.' + k for k in unknown)} for "
                          f"checkpoint={policy}; it accepts "
@@ -98,7 +103,8 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
             f"{fmt('checkpoint.replicas', replicas)} must be an integer >= 0")
     require(isinstance(warmup, int) and warmup >= 1,
             f"{fmt('checkpoint.warmup_iterations', warmup)} must be an integer >= 1")
-    return CheckpointSettings(policy, replicas, warmup, values, durable_every, durable_dir)
+    return CheckpointSettings(policy, replicas, warmup, values, durable_every, durable_dir,
+                              upstream_logging)
 
 
 @dataclass(frozen=True)
