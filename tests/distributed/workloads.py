@@ -308,6 +308,7 @@ def rollback_check(settings: RunSettings, window: int, fail_step: int,
     losses, report, destroyed = [], None, False
     for step in range(settings.max_steps):
         if step == fail_step:
+            coordinator.snapshots.wait_copies()  # no copy may read the garbage
             if rank in failed_ranks:
                 destroy_rank_state(engine.model, engine.optimizer)
                 destroyed = all(bool(torch.isnan(p).all()) for p in engine.model.parameters())
@@ -346,6 +347,7 @@ def localized_check(settings: RunSettings, window: int, fail_step: int,
     losses, report, destroyed = [], None, False
     for step in range(settings.max_steps):
         if step == fail_step:
+            coordinator.snapshots.wait_copies()  # no copy may read the garbage
             if rank in failed_ranks:
                 destroy_rank_state(engine.model, engine.optimizer,
                                    [checkpointing.upstream_log.drop])
@@ -358,8 +360,7 @@ def localized_check(settings: RunSettings, window: int, fail_step: int,
     state = gather_consolidated_state(engine, coords, settings.max_steps)
     facts = {"destroyed": destroyed, "in_scope": report is not None,
              "paused_calls": getattr(coordinator, "paused_forward_backward", None),
-             "replay_calls": None if report is None
-             else report.phases_s.get("forward_backward_calls")}
+             "replay_calls": None if report is None else report.forward_backward_calls}
     everything: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, facts)
     return {"state": state, "losses": losses, "ranks": everything}

@@ -51,6 +51,7 @@ def run(precision: Precision, fail_at: int | None) -> tuple[dict[str, Any], list
     losses, report = [], None
     for step in range(STEPS):
         if step == fail_at:
+            coordinator.snapshots.wait_copies()  # no copy may read the garbage
             destroy(engine)
             assert all(torch.isnan(p).all() for p in engine.model.parameters())
             report = recover_from_store(coordinator, batch, failed_step=step)

@@ -69,6 +69,10 @@ class FailureInjector(L.Callback):
         failed = sorted({event.rank for event in events})
         for event in events:
             self.counter.record(event)
+        # Copies already issued complete first: a dead worker's in-flight copy never
+        # finishes with post-failure data (destroying the weights under a running copy
+        # would put garbage into a snapshot).
+        coordinator.snapshots.wait_copies()
         if self.rank in failed:
             log = self.checkpointing.upstream_log
             destroy_rank_state(self.engine.model, self.engine.optimizer,

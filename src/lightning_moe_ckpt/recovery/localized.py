@@ -137,6 +137,6 @@ def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
     calls = getattr(executor, "forward_backward_calls", 0) - calls_before
     if report is not None:
         report.phases_s["fetch"] = fetched_at - started
-        report.phases_s["forward_backward_calls"] = float(calls)
+        report.forward_backward_calls = calls
     coordinator.paused_forward_backward = 0 if in_scope else calls
     return report

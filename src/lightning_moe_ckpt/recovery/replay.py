@@ -51,6 +51,7 @@ class RecoveryReport:
     failed_step: int
     replayed: int = 0
     phases_s: dict[str, float] = field(default_factory=dict)
+    forward_backward_calls: int = 0  # on this rank during the recovery
 
 
 @torch.no_grad()
