@@ -65,6 +65,7 @@ class FailureInjector(L.Callback):
             return
         assert self.engine is not None and self.batch is not None
         coordinator = self.checkpointing.coordinator
+        assert coordinator is not None  # attach() checked it
         detected = time.perf_counter()
         failed = sorted({event.rank for event in events})
         for event in events:
