@@ -41,15 +41,14 @@ def _discard_all(coordinator: Any) -> None:
     coordinator.store.persisted_start = None
 
 
-def global_rollback(coordinator: Any, batch: Callable[[int], Batch], failed_step: int,
-                    failed_ranks: Iterable[int]) -> RecoveryReport:
-    """Roll every rank back to the common persisted window and replay to ``failed_step``.
+def agree_on_window(coordinator: Any, failed: tuple[int, ...],
+                    wants_window: bool) -> tuple[int, list[SnapshotView] | None]:
+    """Collective prologue of every recovery: drain copies and replication, drop what the
+    failed ranks lost, agree on the newest window persisted on every surviving rank and
+    fetch it from replicas where a rank that ``wants_window`` no longer holds it.
 
-    ``coordinator`` is this rank's checkpoint coordinator; every rank calls this with the
-    same ``failed_step`` and ``failed_ranks`` (a collective).
+    Returns the window's start and, when ``wants_window``, this rank's snapshots of it.
     """
-    started = time.perf_counter()
-    failed = tuple(sorted(set(failed_ranks)))
     rank = dist.get_rank()
     replicator = coordinator.replicator
     coordinator.snapshots.wait_copies()
@@ -57,8 +56,7 @@ def global_rollback(coordinator: Any, batch: Callable[[int], Batch], failed_step
         replicator.drain()
     coordinator._drain_acks()
     coordinator.store.refresh()
-    lost = rank in failed
-    if lost:  # a dead worker's host memory is gone: its snapshots and the replicas it held
+    if rank in failed:  # a dead worker's host memory is gone: snapshots and held replicas
         _discard_all(coordinator)
         if replicator is not None:
             replicator.replicas.windows.clear()
@@ -69,9 +67,9 @@ def global_rollback(coordinator: Any, batch: Callable[[int], Batch], failed_step
         raise CorruptCheckpointError("no surviving rank holds a persisted checkpoint")
     common = min(live)
     record = coordinator.store.windows.get(common)
-    have = record is not None and record.persisted
     needs: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(needs, not have)
+    dist.all_gather_object(needs, wants_window and not (record is not None
+                                                        and record.persisted))
     views: list[SnapshotView] | None = None
     for source, needed in enumerate(needs):
         if needed:
@@ -82,13 +80,32 @@ def global_rollback(coordinator: Any, batch: Callable[[int], Batch], failed_step
             fetched = replicator.fetch_window(source, common, exclude=failed)
             if source == rank:
                 views = list(fetched.values())
-    if views is None:
+    if wants_window and views is None:
         assert record is not None
         views = [snapshot_view(s) for s in record.snapshots.values()]
+    return common, views
+
+
+def restart_windows(coordinator: Any, failed_step: int) -> None:
+    """After a recovery: old windows are superseded, the planner starts a new window at
+    ``failed_step``, and a dense base snapshot is the recovery point until it persists."""
+    _discard_all(coordinator)
+    coordinator.planner.on_recovery(failed_step)
+    coordinator.take_base_snapshot()
+
+
+def global_rollback(coordinator: Any, batch: Callable[[int], Batch], failed_step: int,
+                    failed_ranks: Iterable[int]) -> RecoveryReport:
+    """Roll every rank back to the common persisted window and replay to ``failed_step``.
+
+    ``coordinator`` is this rank's checkpoint coordinator; every rank calls this with the
+    same ``failed_step`` and ``failed_ranks`` (a collective).
+    """
+    started = time.perf_counter()
+    _, views = agree_on_window(coordinator, tuple(sorted(set(failed_ranks))), True)
+    assert views is not None
     fetched_at = time.perf_counter()
     report = sparse_to_dense(coordinator.engine, views, batch, failed_step)
-    _discard_all(coordinator)  # old windows are superseded; the planner starts afresh
-    coordinator.planner.on_recovery(failed_step)
-    coordinator.take_base_snapshot()  # a recovery point until the next window persists
+    restart_windows(coordinator, failed_step)
     report.phases_s["fetch"] = fetched_at - started
     return report

@@ -28,14 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_moe_ckpt.checkpoint.replication import CorruptCheckpointError
 from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
-from lightning_moe_ckpt.recovery.global_rollback import _discard_all
+from lightning_moe_ckpt.recovery.global_rollback import agree_on_window, restart_windows
 from lightning_moe_ckpt.recovery.replay import (
     Batch,
     RecoveryReport,
-    SnapshotView,
-    snapshot_view,
     sparse_to_dense,
 )
 from lightning_moe_ckpt.recovery.scope import recovery_scopes
@@ -69,39 +66,12 @@ def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
                          "interleaved schedules recover by global rollback")
     started = time.perf_counter()
     failed = tuple(sorted(set(failed_ranks)))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     scopes = recovery_scopes(plan, failed, upstream_logging=True)
     scope_pp = {p for scope in scopes for p in scope.stages}
     in_scope = coords.pp in scope_pp
     executor = coordinator.engine.executor
-    replicator = coordinator.replicator
-    coordinator.snapshots.wait_copies()
-    if replicator is not None:
-        replicator.drain()
-    coordinator._drain_acks()
-    coordinator.store.refresh()
-    if rank in failed:
-        _discard_all(coordinator)
-        if replicator is not None:
-            replicator.replicas.windows.clear()
-    starts: list[Any] = [None] * world
-    dist.all_gather_object(starts, coordinator.store.persisted_start)
-    live = [s for s in starts if s is not None]
-    if not live:
-        raise CorruptCheckpointError("no surviving rank holds a persisted checkpoint")
-    common = min(live)
-    record = coordinator.store.windows.get(common)
-    needs: list[Any] = [None] * world
-    dist.all_gather_object(needs, in_scope and not (record is not None and record.persisted))
-    views: list[SnapshotView] | None = None
-    for source, needed in enumerate(needs):
-        if needed:
-            if replicator is None:
-                raise CorruptCheckpointError(f"rank {source} lost the window starting at "
-                                             f"{common} and no replica holds a copy")
-            fetched = replicator.fetch_window(source, common, exclude=failed)
-            if source == rank:
-                views = list(fetched.values())
+    common, views = agree_on_window(coordinator, failed, in_scope)
     iterations = range(common + 1, failed_step)
     handed: list[Any] = [None] * world
     dist.all_gather_object(handed, _neighbour_logs(log, plan, coords, scope_pp, iterations))
@@ -109,9 +79,7 @@ def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
     report = None
     calls_before = getattr(executor, "forward_backward_calls", 0)
     if in_scope:
-        if views is None:
-            assert record is not None
-            views = [snapshot_view(s) for s in record.snapshots.values()]
+        assert views is not None
         clip = {t: c for part in handed for t, c in part["clip"].items()}
         previous = plan.rank_of(Coordinates(coords.pp - 1, coords.dp, coords.ep)) \
             if coords.pp > 0 and coords.pp - 1 not in scope_pp else None
@@ -131,9 +99,7 @@ def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
     else:  # paused: keep the live state, run nothing
         coordinator.engine.step = failed_step
     dist.barrier()
-    _discard_all(coordinator)
-    coordinator.planner.on_recovery(failed_step)
-    coordinator.take_base_snapshot()
+    restart_windows(coordinator, failed_step)
     calls = getattr(executor, "forward_backward_calls", 0) - calls_before
     if report is not None:
         report.phases_s["fetch"] = fetched_at - started
