@@ -8,6 +8,9 @@ snapshots, logs and held replicas dropped). With upstream logging and one stage 
 pipeline rank only the failed stages roll back, replaying from their neighbours' logs while
 the other ranks pause (localized rollback); otherwise every rank rolls back to the common
 persisted window (global rollback); a single process recovers from its own host store.
+The baseline policies recover their own way (:mod:`~lightning_moe_ckpt.recovery.baselines`):
+``gemini`` and ``checkfreq`` roll every rank back to their last dense checkpoint, ``moc``
+and ``moetion`` restore their partial state (stale experts) and report the lost tokens.
 Iteration ``t`` then runs as if nothing happened. The injector counts what it fired and
 records a report per recovery (window, iterations replayed, ranks, phase timings).
 """
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
+from lightning_moe_ckpt.recovery.baselines import is_baseline, recover_baseline
 from lightning_moe_ckpt.recovery.faults import (
     FailureCounter,
     FaultSchedule,
@@ -82,7 +86,9 @@ class FailureInjector(L.Callback):
         log = self.checkpointing.upstream_log
         rolled_back = list(range(self.world_size))
         report: RecoveryReport | None
-        if self.world_size == 1:  # one process: its host memory survives a device failure
+        if is_baseline(coordinator.planner):  # every rank rolls back, never localized
+            report = recover_baseline(coordinator, self.batch, step, failed, self.world_size)
+        elif self.world_size == 1:  # one process: its host memory survives a device failure
             report = recover_from_store(coordinator, self.batch, step)
         elif log is not None and plan.pp > 1 and plan.stages_per_rank == 1:
             scopes = recovery_scopes(plan, failed, upstream_logging=True)
@@ -98,7 +104,9 @@ class FailureInjector(L.Callback):
             "failed_phases": sorted({event.phase for event in events}),
             "window_start": summary["window_start"], "window": summary["window"],
             "iterations_replayed": summary["replayed"],
-            "ranks_rolled_back": rolled_back, "lost_tokens": 0,
+            "ranks_rolled_back": rolled_back, "lost_tokens": summary["lost_tokens"],
+            "lost_token_portion": summary["lost_token_portion"],
+            "stale_experts": summary["stale_experts"],
             "timings_s": summary["timings_s"],
         })
 
@@ -107,6 +115,10 @@ class FailureInjector(L.Callback):
         mine = None if report is None else {
             "window_start": report.window_start, "window": report.window,
             "replayed": report.replayed, "timings_s": dict(report.phases_s)}
+        if report is not None and mine is not None:  # zero unless a partial baseline
+            mine.update(lost_tokens=report.lost_tokens,
+                        lost_token_portion=report.lost_token_portion,
+                        stale_experts=list(report.stale_experts))
         if self.world_size == 1:
             assert mine is not None
             return mine
@@ -124,7 +136,8 @@ class FailureInjector(L.Callback):
         """Failure and recovery figures for ``metrics.json``."""
         return {"failures_injected": self.counter.total, "failures": self.counter.as_dict(),
                 "recoveries": self.recoveries,
-                "iterations_replayed": sum(r["iterations_replayed"] for r in self.recoveries)}
+                "iterations_replayed": sum(r["iterations_replayed"] for r in self.recoveries),
+                "lost_tokens": sum(r["lost_tokens"] for r in self.recoveries)}
 
     def report(self) -> str:
         """A short human-readable report."""

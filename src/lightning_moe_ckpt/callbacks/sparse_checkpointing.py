@@ -126,6 +126,8 @@ class SparseCheckpointing(L.Callback):
                 options.setdefault(key, value)
         if "window_agreement" in accepted and world_size > 1:
             options["window_agreement"] = _agree_on_largest
+        if "interval_agreement" in accepted and world_size > 1:  # measured k: all ranks alike
+            options["interval_agreement"] = _agree_on_largest
         planner = make_planner(self.policy, specs_from_registry(registry), **options)
         if self._pending_state is not None and self._pending_state.get("planner") is not None:
             planner.load_state_dict(self._pending_state["planner"])  # resumed from a checkpoint

@@ -11,6 +11,11 @@ The coordinator is a step hook of the rank's :class:`TrainingEngine`:
 Before the first step it takes a dense snapshot of the initial state as window ``-1``
 (replicated like any other), so a failure before the first window persists still has an
 exact state to recover from.
+
+Partial-expert policies (a planner with ``restores_partially``) get stores that also keep
+each operator's newest save (:mod:`~lightning_moe_ckpt.checkpoint.retention`), and a
+planner with ``capacity_factors()`` (MoEtion's boost for stale experts) has them handed
+to the model's MoE layers after every step, as device tensors (no host sync).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 from lightning_moe_ckpt.checkpoint.persist import DiskPersister
 from lightning_moe_ckpt.checkpoint.replication import Replicator
+from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
 from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, SnapshotEngine, rng_state
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 
@@ -51,8 +57,12 @@ class CheckpointCoordinator:
         acknowledge = lambda start, step: self._acks.put((start, step))  # noqa: E731
         # A snapshot persists by replication to peers, or (CheckFreq) by a write to disk.
         self.persister = DiskPersister(persist_dir, acknowledge) if persist_dir else None
-        self.store = SnapshotStore(self.pool, 1 if self.persister else effective)
-        self.replicator = (Replicator(effective, ranks_per_node, acknowledge)
+        # Partial restores need every operator's newest save, however old.
+        partial = bool(getattr(planner, "restores_partially", False))
+        store_type = RetainingSnapshotStore if partial else SnapshotStore
+        self.store = store_type(self.pool, 1 if self.persister else effective)
+        self.replicator = (Replicator(effective, ranks_per_node, acknowledge,
+                                      RetainingReplicaStore() if partial else None)
                            if effective > 0 and self.persister is None else None)
         self.replica_store = None if self.replicator is None else self.replicator.replicas
         # Deterministic placement, recorded in metrics.json.
@@ -83,6 +93,7 @@ class CheckpointCoordinator:
         self._period_s = now - self._last_step_end if self._last_step_end else None
         self._last_step_end = now
         self.planner.observe(step, result.expert_load, result.soft_load)
+        self.apply_capacity_factors()
         plan = self.planner.plan(step)
         taken = self._take(plan, result) if plan is not None else 0
         self._snapshot_taken = plan is not None
@@ -91,6 +102,16 @@ class CheckpointCoordinator:
         self.store.refresh()
         if self.replicator is not None:
             self.max_replication_lag = max(self.max_replication_lag, self.replicator.lag)
+
+    def apply_capacity_factors(self) -> None:
+        """Hand the planner's per-expert capacity factors (if it has any) to the MoE
+        layers for the next iteration; they stay on the device."""
+        factors_of = getattr(self.planner, "capacity_factors", None)
+        if factors_of is None:
+            return
+        factors = factors_of()
+        for layer, moe in self.engine.model.moe_layers().items():
+            moe.capacity_scale = factors[layer]
 
     def take_base_snapshot(self) -> None:
         """Dense snapshot of the current state as a window of one (the initial state, or

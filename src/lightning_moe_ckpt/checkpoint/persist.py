@@ -5,7 +5,11 @@ background. :class:`DiskPersister` does the second phase for the snapshot engine
 thread waits until a snapshot's copies are checksummed, writes it with ``torch.save`` (the
 same encoding replication uses, checksums included) to a temporary file, renames it into
 place and acknowledges it, so the store treats the snapshot as persisted only once it is
-on disk. Only the two newest files are kept.
+on disk. Only the two newest files are kept. The directory is the rank's own
+(``<durable_dir>/checkfreq/rank<NNNNN>``): files left there by an earlier run are removed
+when the persister starts, and after a failure the rank finds its persisted snapshots by
+listing the directory (:meth:`DiskPersister.persisted_steps`, :meth:`DiskPersister.read`),
+since the worker's host memory (and with it the list of what it wrote) is gone.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from lightning_moe_ckpt.checkpoint.replication import encode_snapshot
+import torch
+
+from lightning_moe_ckpt.checkpoint.codec import encode_snapshot
 from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
 
 
@@ -27,6 +33,9 @@ class DiskPersister:
                  keep: int = 2) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in [*self.directory.glob("step=*.snapshot"),
+                      *self.directory.glob("step=*.partial")]:
+            stale.unlink()  # an earlier run's: never to be mistaken for this run's
         self.on_persisted = on_persisted
         self.keep = keep
         self.written: list[str] = []
@@ -43,10 +52,27 @@ class DiskPersister:
         self._queue.put(None)
         self._thread.join()
 
+    def drain(self) -> None:
+        """Wait until every submitted snapshot is on disk (the thread keeps running)."""
+        self._queue.join()
+
+    def path(self, step: int) -> Path:
+        """Where SS_``step`` is written."""
+        return self.directory / f"step={step}.snapshot"
+
+    def persisted_steps(self) -> list[int]:
+        """Steps whose snapshot is on disk, found by listing the directory."""
+        return sorted(int(path.name[len("step="):-len(".snapshot")])
+                      for path in self.directory.glob("step=*.snapshot"))
+
+    def read(self, step: int) -> torch.Tensor:
+        """The encoded SS_``step`` as written (decode it to verify its checksums)."""
+        return torch.frombuffer(bytearray(self.path(step).read_bytes()), dtype=torch.uint8)
+
     def _run(self) -> None:
         while (snapshot := self._queue.get()) is not None:
             snapshot.checksummed.wait()
-            target = self.directory / f"step={snapshot.step}.snapshot"
+            target = self.path(snapshot.step)
             partial = target.with_suffix(".partial")
             partial.write_bytes(encode_snapshot(snapshot).numpy().tobytes())
             os.replace(partial, target)  # never a half-written file under the final name
@@ -55,3 +81,5 @@ class DiskPersister:
                 Path(old).unlink(missing_ok=True)
             self.written = self.written[-self.keep:]
             self.on_persisted(snapshot.plan.window_start, snapshot.step)
+            self._queue.task_done()
+        self._queue.task_done()

@@ -13,12 +13,17 @@ since the last snapshot (or since the checkpoint a recovery restored).
 * **CheckFreq** adapts ``k`` from the measured per-snapshot overhead so that the
   runtime overhead ``T_ckpt / (k T_iter)`` stays within ``checkpoint.max_overhead``
   (3% as in the paper): the smallest such ``k``.
+
+A ``k`` computed from measurements differs between ranks; with several ranks
+``interval_agreement`` (the largest ``k`` of all ranks, a collective) keeps every rank
+snapshotting at the same iterations, which replication and recovery rely on. It runs
+only when ``k`` is re-derived, i.e. right after a snapshot, which all ranks take together.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +34,7 @@ from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
 
 _SWEEP_LIMIT = 1_000_000  # intervals beyond this many iterations are never useful
+IntervalAgreement = Callable[[int], int]  # this rank's k -> the k all ranks use
 
 
 def oracle_interval(mtbf_s: float, iteration_time_s: float, snapshot_time_s: float,
@@ -74,10 +80,15 @@ def checkfreq_interval(iteration_time_s: float, snapshot_time_s: float,
 class _DensePlanner(BasePlanner):
     """Every operator's master state every ``interval`` iterations."""
 
-    def __init__(self, specs: Sequence[OperatorSpec], interval: int) -> None:
+    def __init__(self, specs: Sequence[OperatorSpec], interval: int,
+                 interval_agreement: IntervalAgreement | None = None) -> None:
         self.operators = tuple(spec.name for spec in specs)
         self.interval = interval
+        self.interval_agreement = interval_agreement
         self.last_snapshot: int | None = None
+
+    def _agreed(self, interval: int) -> int:
+        return interval if self.interval_agreement is None else self.interval_agreement(interval)
 
     @override
     def plan(self, iteration: int) -> CapturePlan | None:
@@ -109,7 +120,8 @@ class GeminiPlanner(_DensePlanner):
     def __init__(self, specs: Sequence[OperatorSpec], *, interval: int | None = None,
                  mtbf_s: float | None = None, iteration_time_s: float | None = None,
                  snapshot_time_s: float | None = None, recovery_fixed_s: float = 0.0,
-                 max_interval: int | None = None) -> None:
+                 max_interval: int | None = None,
+                 interval_agreement: IntervalAgreement | None = None) -> None:
         if interval is not None and mtbf_s is not None:
             raise ConfigError(f"set only one of checkpoint.interval={interval} (fixed k) and "
                               f"checkpoint.mtbf_s={mtbf_s} (oracle k) for checkpoint=gemini")
@@ -123,7 +135,7 @@ class GeminiPlanner(_DensePlanner):
             require(mtbf_s > 0, f"{fmt('checkpoint.mtbf_s', mtbf_s)} must be > 0")
         require(recovery_fixed_s >= 0,
                 f"{fmt('checkpoint.recovery_fixed_s', recovery_fixed_s)} must be >= 0")
-        super().__init__(specs, interval if interval is not None else 1)
+        super().__init__(specs, interval if interval is not None else 1, interval_agreement)
         self.mtbf_s = mtbf_s
         self.recovery_fixed_s = recovery_fixed_s
         self.max_interval = max_interval
@@ -134,8 +146,9 @@ class GeminiPlanner(_DensePlanner):
         """A measured snapshot cost (stall per snapshot); re-runs the oracle sweep when ``k``
         is chosen for an MTBF. A fixed ``k`` stays."""
         if self.mtbf_s is not None:
-            self.interval = oracle_interval(self.mtbf_s, iteration_time_s, snapshot_time_s,
-                                            self.recovery_fixed_s, self.max_interval)
+            self.interval = self._agreed(oracle_interval(
+                self.mtbf_s, iteration_time_s, snapshot_time_s, self.recovery_fixed_s,
+                self.max_interval))
 
 
 class CheckFreqPlanner(_DensePlanner):
@@ -145,7 +158,8 @@ class CheckFreqPlanner(_DensePlanner):
     name = "checkfreq"
 
     def __init__(self, specs: Sequence[OperatorSpec], *, max_overhead: float = 0.03,
-                 initial_interval: int = 1, max_interval: int | None = None) -> None:
+                 initial_interval: int = 1, max_interval: int | None = None,
+                 interval_agreement: IntervalAgreement | None = None) -> None:
         require(0 < max_overhead < 1,
                 f"{fmt('checkpoint.max_overhead', max_overhead)} must be in (0, 1)")
         require(isinstance(initial_interval, int) and initial_interval >= 1,
@@ -154,12 +168,12 @@ class CheckFreqPlanner(_DensePlanner):
         if max_interval is not None:
             require(max_interval >= 1,
                     f"{fmt('checkpoint.max_interval', max_interval)} must be >= 1")
-        super().__init__(specs, initial_interval)
+        super().__init__(specs, initial_interval, interval_agreement)
         self.max_overhead = max_overhead
         self.max_interval = max_interval
 
     def record_overhead(self, iteration_time_s: float, snapshot_time_s: float) -> None:
         """Adapt ``k`` to the latest measured snapshot cost (the time it added to training,
         i.e. its stall), effective from the next snapshot on."""
-        self.interval = checkfreq_interval(iteration_time_s, snapshot_time_s,
-                                           self.max_overhead, self.max_interval)
+        self.interval = self._agreed(checkfreq_interval(iteration_time_s, snapshot_time_s,
+                                                        self.max_overhead, self.max_interval))

@@ -7,7 +7,10 @@ restores comes back from its last save, losing the updates of the tokens routed 
 since ("lost tokens"). Token counters live on the device: :meth:`observe` adds the
 iteration's hard counts without a host sync, a plan zeroes the saved experts' counters
 through a mask sent asynchronously, and host copies are taken only at recovery or when a
-metric is asked for.
+metric is asked for. At a recovery (:meth:`on_recovery`) the tokens routed to each expert
+since its last save are booked as lost: the partial restore brings every expert back from
+its newest save, so exactly those updates are gone. Both policies report the tokens lost
+at the latest recovery and MoC's proportion of lost tokens over the run.
 
 * **MoC** (``checkpoint=moc``): ``K`` experts per layer in round-robin order, interleaved
   across layers (layer ``l`` starts at expert ``l K mod E``), so any ``ceil(E/K)``
@@ -47,7 +50,9 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class _PartialPlanner(BasePlanner):
-    """Shared bookkeeping: layout, last saves, device token counters."""
+    """Shared bookkeeping: layout, last saves, device token counters, lost tokens."""
+
+    restores_partially = True  # recovery restores stale experts instead of replaying
 
     def __init__(self, specs: Sequence[OperatorSpec], experts_per_layer: int,
                  n_layers: int | None, n_experts: int | None) -> None:
@@ -61,6 +66,9 @@ class _PartialPlanner(BasePlanner):
         self.shape = (self.layout.n_layers, experts)
         self.last_saved: dict[str, int] = {}  # expert name -> iteration of its last save
         self._since_save: torch.Tensor | None = None  # [L, E] tokens since last save
+        self._lost: torch.Tensor | None = None  # [L] lost tokens over all recoveries
+        self._total: torch.Tensor | None = None  # [L] tokens routed
+        self._last_lost: torch.Tensor | None = None  # tokens lost at the latest recovery
 
     def _counter(self, like: torch.Tensor) -> torch.Tensor:
         if tuple(like.shape) != self.shape:
@@ -71,6 +79,46 @@ class _PartialPlanner(BasePlanner):
         elif self._since_save.device != like.device:
             self._since_save = self._since_save.to(like.device)
         return self._since_save
+
+    def _count(self, hard_counts: torch.Tensor) -> torch.Tensor:
+        """Add an iteration's counts to the counters (on their device); returns them."""
+        since = self._counter(hard_counts)
+        counts = hard_counts.detach().to(torch.float64)
+        since.add_(counts)
+        if self._total is None or self._lost is None:
+            self._total = torch.zeros(self.shape[0], dtype=torch.float64, device=since.device)
+            self._lost = torch.zeros_like(self._total)
+        self._total = self._total.to(since.device).add_(counts.sum(dim=1))
+        self._lost = self._lost.to(since.device)
+        return counts
+
+    def _book_lost(self) -> torch.Tensor | None:
+        """A recovery restored every expert from its last save: the tokens routed to it
+        since are lost. Books them, zeroes the counters, returns them ``[L, E]``."""
+        if self._since_save is None:
+            self._last_lost = None
+            return None
+        lost = self._since_save.clone()
+        if self._lost is not None:
+            self._lost.add_(lost.sum(dim=1))
+        self._since_save.zero_()
+        self._last_lost = lost.sum()
+        return lost
+
+    def lost_tokens(self) -> int:
+        """Token assignments lost at the latest recovery, all layers (a host copy)."""
+        return 0 if self._last_lost is None else round(float(self._last_lost))
+
+    def lost_token_portion(self) -> float:
+        """PLT: per layer, tokens lost at recoveries over tokens routed; mean over layers
+        that routed any (a host copy)."""
+        if self._lost is None or self._total is None:
+            return 0.0
+        lost, total = self._lost.cpu(), self._total.cpu()
+        routed = total > 0
+        if not bool(routed.any()):
+            return 0.0
+        return float((lost[routed] / total[routed]).mean())
 
     def _capture(self, iteration: int, chosen: torch.Tensor, window_start: int,
                  window_index: int, window: int) -> CapturePlan:
@@ -90,13 +138,18 @@ class _PartialPlanner(BasePlanner):
     def _base_state(self) -> dict[str, Any]:
         since = None if self._since_save is None else self._since_save.detach().clone()
         return {"experts_per_layer": self.experts_per_layer,
-                "last_saved": dict(self.last_saved), "since_save": since}
+                "last_saved": dict(self.last_saved), "since_save": since,
+                "lost": None if self._lost is None else self._lost.detach().clone(),
+                "total": None if self._total is None else self._total.detach().clone()}
 
     def _load_base(self, d: dict[str, Any]) -> None:
         self.experts_per_layer = int(d["experts_per_layer"])
         self.last_saved = dict(d["last_saved"])
         since = d["since_save"]
         self._since_save = None if since is None else since.detach().clone()
+        lost, total = d.get("lost"), d.get("total")
+        self._lost = None if lost is None else lost.detach().clone()
+        self._total = None if total is None else total.detach().clone()
 
 
 class MoCPlanner(_PartialPlanner):
@@ -115,8 +168,6 @@ class MoCPlanner(_PartialPlanner):
         self.shift = 0  # experts every layer's cursor advanced so far
         self.round_start: int | None = None
         self._next: int | None = None
-        self._lost: torch.Tensor | None = None  # [L] lost tokens over all recoveries
-        self._total: torch.Tensor | None = None  # [L] tokens routed
 
     @property
     def rounds(self) -> int:
@@ -126,14 +177,7 @@ class MoCPlanner(_PartialPlanner):
     @override
     def observe(self, iteration: int, hard_counts: torch.Tensor,
                 soft_counts: torch.Tensor) -> None:
-        since = self._counter(hard_counts)
-        counts = hard_counts.detach().to(torch.float64)
-        since.add_(counts)
-        if self._total is None or self._lost is None:
-            self._total = torch.zeros(self.shape[0], dtype=torch.float64, device=since.device)
-            self._lost = torch.zeros_like(self._total)
-        self._total = self._total.to(since.device).add_(counts.sum(dim=1))
-        self._lost = self._lost.to(since.device)
+        self._count(hard_counts)
 
     @override
     def plan(self, iteration: int) -> CapturePlan | None:
@@ -154,40 +198,22 @@ class MoCPlanner(_PartialPlanner):
     @override
     def on_recovery(self, iteration: int) -> None:
         """Book the tokens lost by experts restored from older saves; Dynamic-K."""
-        if self._since_save is not None and self._lost is not None:
-            self._lost.add_(self._since_save.sum(dim=1))
-            self._since_save.zero_()
+        self._book_lost()
         self._next = None  # the next plan starts a new round
         experts = self.shape[1]
         if self.lost_token_portion() > self.lost_token_budget and self.experts_per_layer < experts:
             self.experts_per_layer = min(experts, 2 * self.experts_per_layer)
 
-    def lost_token_portion(self) -> float:
-        """PLT: per layer, tokens lost at recoveries over tokens routed; mean over layers
-        that routed any (a host copy)."""
-        if self._lost is None or self._total is None:
-            return 0.0
-        lost, total = self._lost.cpu(), self._total.cpu()
-        routed = total > 0
-        if not bool(routed.any()):
-            return 0.0
-        return float((lost[routed] / total[routed]).mean())
-
     @override
     def state_dict(self) -> dict[str, Any]:
         return {**self._base_state(), "initial_k": self.initial_k, "shift": self.shift,
-                "round_start": self.round_start,
-                "next": self._next,
-                "lost": None if self._lost is None else self._lost.detach().clone(),
-                "total": None if self._total is None else self._total.detach().clone()}
+                "round_start": self.round_start, "next": self._next}
 
     @override
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self._load_base(d)
         self.initial_k, self.shift = int(d["initial_k"]), int(d["shift"])
         self.round_start, self._next = d["round_start"], d["next"]
-        self._lost = None if d["lost"] is None else d["lost"].detach().clone()
-        self._total = None if d["total"] is None else d["total"].detach().clone()
 
 
 class MoEtionPlanner(_PartialPlanner):
@@ -208,12 +234,10 @@ class MoEtionPlanner(_PartialPlanner):
     @override
     def observe(self, iteration: int, hard_counts: torch.Tensor,
                 soft_counts: torch.Tensor) -> None:
-        since = self._counter(hard_counts)
-        counts = hard_counts.detach().to(torch.float64)
-        since.add_(counts)
+        counts = self._count(hard_counts)
         if self._owed is None:
-            self._owed = torch.zeros_like(since)
-        owed = self._owed.to(since.device)
+            self._owed = torch.zeros_like(counts)
+        owed = self._owed.to(counts.device)
         # A boosted expert takes `boost` more tokens per routed token until repaid.
         self._owed = owed.sub_(counts * self.capacity_boost_fraction).clamp_(min=0.0)
 
@@ -234,17 +258,17 @@ class MoEtionPlanner(_PartialPlanner):
     @override
     def on_recovery(self, iteration: int) -> None:
         """Experts restored from older saves become stale and owe their lost tokens."""
-        if self._since_save is not None and self._owed is not None:
-            self._owed.add_(self._since_save)
-            self._since_save.zero_()
+        lost = self._book_lost()
+        if lost is not None and self._since_save is not None:
+            self._owed = lost if self._owed is None else self._owed.add_(lost)
             self._mirror.publish(self._since_save)
 
     def capacity_factors(self) -> torch.Tensor:
         """Capacity multiplier per expert ``[L, E]`` (``1 + boost`` while stale), on the
         counters' device: usable by the model without a host sync."""
         if self._owed is None:
-            return torch.ones(self.shape)
-        return 1.0 + self.capacity_boost_fraction * (self._owed > 0).float()
+            return torch.ones(self.shape, dtype=torch.float64)
+        return 1.0 + self.capacity_boost_fraction * (self._owed > 0).to(torch.float64)
 
     def capacity_boost(self, name: str) -> float:
         """Capacity multiplier of one expert (a host copy)."""

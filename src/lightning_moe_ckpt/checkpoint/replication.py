@@ -8,14 +8,14 @@ background thread. Every rank takes snapshots at the same steps, so every rank's
 processes the same sequence and sends match receives. A snapshot counts as replicated
 once all its sends completed; the store persists a window when all its snapshots are.
 
-Peers keep the serialized snapshots of each source rank; :func:`decode_snapshot` restores
-one and checks every piece's checksum, and :func:`verify_window` refuses a window with a
+Peers keep the serialized snapshots of each source rank (encoded piece by piece, see
+:mod:`~lightning_moe_ckpt.checkpoint.codec`); :func:`decode_snapshot` restores one and
+checks every piece's checksum, and :func:`verify_window` refuses a window with a
 missing or corrupt piece, naming rank, operator and iteration.
 """
 
 from __future__ import annotations
 
-import io
 import queue
 import threading
 from collections import defaultdict
@@ -26,11 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_moe_ckpt.checkpoint.snapshot import Snapshot, tensor_checksum
+from lightning_moe_ckpt.checkpoint.codec import (
+    CorruptCheckpointError,
+    decode_snapshot,
+    encode_snapshot,
+)
+from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
 
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint piece is missing or fails its checksum."""
+__all__ = ["CorruptCheckpointError", "ReplicaStore", "Replicator", "decode_snapshot",
+           "encode_snapshot", "replica_peers", "verify_window"]
 
 
 def replica_peers(rank: int, world_size: int, replicas: int, ranks_per_node: int) -> list[int]:
@@ -40,32 +44,6 @@ def replica_peers(rank: int, world_size: int, replicas: int, ranks_per_node: int
     remote = [p for p in ring if p // ranks_per_node != node]
     local = [p for p in ring if p // ranks_per_node == node]
     return (remote + local)[:max(0, min(replicas, world_size - 1))]
-
-
-def encode_snapshot(snapshot: Snapshot) -> torch.Tensor:
-    """Serialise a snapshot (pieces, checksums, metadata) into a byte tensor."""
-    payload = {
-        "step": snapshot.step, "rank": snapshot.rank,
-        "window_start": snapshot.plan.window_start, "window": snapshot.plan.window,
-        "metadata": snapshot.metadata,
-        "pieces": {name: {"kind": piece.kind, "checksum": piece.checksum,
-                          "tensors": piece.tensors}
-                   for name, piece in snapshot.pieces.items()},
-    }
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
-
-def decode_snapshot(data: torch.Tensor) -> dict[str, Any]:
-    """Inverse of :func:`encode_snapshot`; raises if any piece fails its checksum."""
-    payload: dict[str, Any] = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
-    for name, piece in payload["pieces"].items():
-        if piece["checksum"] is None or tensor_checksum(piece["tensors"]) != piece["checksum"]:
-            raise CorruptCheckpointError(
-                f"checkpoint piece of rank {payload['rank']}, operator {name!r}, iteration "
-                f"{payload['step']} fails its checksum")
-    return payload
 
 
 def verify_window(snapshots: dict[int, dict[str, Any]], rank: int, window_start: int,
@@ -113,7 +91,8 @@ class Replicator:
     """Background replication of this rank's snapshots to its peers (and of theirs to it)."""
 
     def __init__(self, replicas: int, ranks_per_node: int,
-                 on_replicated: Callable[[int, int], None]) -> None:
+                 on_replicated: Callable[[int, int], None],
+                 replica_store: ReplicaStore | None = None) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.replica_count, self.ranks_per_node = replicas, ranks_per_node
@@ -122,7 +101,7 @@ class Replicator:
         self.sources = [s for s in range(self.world_size)
                         if self.rank in replica_peers(s, self.world_size, replicas,
                                                       ranks_per_node)]
-        self.replicas = ReplicaStore()
+        self.replicas = replica_store if replica_store is not None else ReplicaStore()
         self.on_replicated = on_replicated
         self.lag = 0
         self._queue: queue.Queue[Snapshot | None] = queue.Queue()

@@ -82,11 +82,15 @@ class SnapshotStore:
         if newest != self.persisted_start:
             for start in [s for s in self.windows if s < newest]:
                 for snapshot in self.windows.pop(start).snapshots.values():
-                    self.pool.release(snapshot)
+                    self._free(snapshot)
             self.persisted_start = newest
             for listener in self.release_listeners:
                 listener(newest)
         return self.persisted_start
+
+    def _free(self, snapshot: Snapshot) -> None:
+        """Release a snapshot of a superseded window (subclasses may keep parts of it)."""
+        self.pool.release(snapshot)
 
     def persisted(self) -> WindowRecord | None:
         """The newest persisted window, if any."""

@@ -11,7 +11,10 @@ Capacity (``capacity_factor``) is applied per sequence: each expert accepts at m
 ``ceil(cf * S * k / E)`` assignments of a sequence, first choices of every token before
 second choices. Dropped assignments contribute nothing and the token passes through the
 residual. Per-sequence capacity makes dropping independent of micro-batching and of
-data/expert parallelism.
+data/expert parallelism. ``capacity_scale`` (``[E]``, set from outside, e.g. MoEtion's
+boost for experts restored stale after a failure) multiplies each expert's capacity:
+``ceil(cf * scale_e * S * k / E)``; it stays on the device, and a scale of one gives
+exactly the unscaled capacity.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class MoELayer(nn.Module):
 
     dropped_assignments: torch.Tensor
     aux_loss_sum: torch.Tensor
+    capacity_scale: torch.Tensor | None  # [E] per-expert capacity multiplier (None: ones)
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, expert_hidden: int,
                  n_shared_experts: int = 0, capacity_factor: float | None = None,
@@ -82,6 +86,7 @@ class MoELayer(nn.Module):
             Expert(d_model, expert_hidden * n_shared_experts) if n_shared_experts else None)
         self.register_buffer("dropped_assignments", torch.zeros(()), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+        self.capacity_scale = None
 
     def capacity(self, seq_len: int) -> int | None:
         """Per-sequence, per-expert capacity, or ``None`` when unlimited."""
@@ -89,12 +94,23 @@ class MoELayer(nn.Module):
             return None
         return math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts)
 
+    def expert_capacities(self, seq_len: int) -> torch.Tensor | None:
+        """Per-expert capacities ``[E]`` with ``capacity_scale`` applied, on the scale's
+        device; ``None`` when capacity is unlimited or unscaled."""
+        if self.capacity_factor is None or self.capacity_scale is None:
+            return None
+        base = self.capacity_factor * seq_len * self.top_k / self.n_experts
+        return torch.ceil(self.capacity_scale.to(torch.float64) * base).to(torch.int64)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, d_model = x.shape
         route = self.gate(x)
         expert_of_slot = route.indices.reshape(-1)  # token-major: slot a = token * k + j
-        capacity = self.capacity(seq_len)
+        capacity: int | torch.Tensor | None = self.capacity(seq_len)
         if capacity is not None:
+            scaled = self.expert_capacities(seq_len)
+            if scaled is not None:
+                capacity = scaled.to(route.indices.device, non_blocking=True)
             kept = self._within_capacity(route.indices, capacity).reshape(-1)
             # Dropped slots get the sentinel id E and sort past every real expert.
             expert_of_slot = torch.where(kept, expert_of_slot, self.n_experts)
@@ -133,13 +149,16 @@ class MoELayer(nn.Module):
         outputs = [self.experts[str(e)](chunk) for e, chunk in enumerate(chunks)]
         return torch.cat(outputs, dim=0)
 
-    def _within_capacity(self, indices: torch.Tensor, capacity: int) -> torch.Tensor:
-        """Mask ``[B, S, k]`` of slots accepted by their expert's per-sequence capacity."""
+    def _within_capacity(self, indices: torch.Tensor,
+                         capacity: int | torch.Tensor) -> torch.Tensor:
+        """Mask ``[B, S, k]`` of slots accepted by their expert's per-sequence capacity
+        (one for all experts, or ``[E]``)."""
         batch, seq_len, top_k = indices.shape
         slot_major = indices.transpose(1, 2).reshape(batch, top_k * seq_len)
         one_hot = F.one_hot(slot_major, self.n_experts)
         position = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1
-        kept = position < capacity
+        limit = capacity if isinstance(capacity, int) else capacity[slot_major]
+        kept = position < limit
         return kept.view(batch, top_k, seq_len).transpose(1, 2)
 
     def reset_stats(self) -> None:

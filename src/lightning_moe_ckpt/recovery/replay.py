@@ -52,6 +52,10 @@ class RecoveryReport:
     replayed: int = 0
     phases_s: dict[str, float] = field(default_factory=dict)
     forward_backward_calls: int = 0  # on this rank during the recovery
+    # Partial restores (MoC, MoEtion) lose updates; exact recoveries report zeros.
+    lost_tokens: int = 0  # expert assignments whose update was lost, all layers
+    lost_token_portion: float = 0.0  # the policy's lost-token proportion after it
+    stale_experts: tuple[str, ...] = ()  # experts restored from a save older than the rest
 
 
 @torch.no_grad()

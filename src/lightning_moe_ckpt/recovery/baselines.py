@@ -1,0 +1,115 @@
+"""Recovery of the baseline checkpoint policies: the contrast users must see.
+
+* ``gemini`` and ``checkfreq`` (dense planners, windows of one snapshot) roll **every**
+  rank back to their last dense checkpoint and recompute up to the failed iteration:
+  exact, like MoEvement, but the rollback reaches back up to a whole checkpoint interval
+  instead of about 1.5 sparse windows, and they never roll back only the failed stage.
+  Gemini's checkpoint is in its peers' host memory (global rollback over the replicas);
+  CheckFreq's is on each rank's own disk (``checkpoint.replicas`` plays no part), so a
+  failed rank reads its own persisted file back (:func:`disk_rollback`), checksums
+  verified.
+* ``moc`` and ``moetion`` (partial planners) restore their partial state, stale experts
+  included, and go on: see :mod:`~lightning_moe_ckpt.recovery.partial_restore`. They
+  lose tokens, which the report says.
+
+A single process keeps its host memory through a device failure, so a dense baseline
+there recovers from its own store (:func:`~lightning_moe_ckpt.recovery.replay.
+recover_from_store`). Failures that cascade into a running recovery are not modelled
+for the baselines.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_moe_ckpt.checkpoint.codec import CorruptCheckpointError, decode_snapshot
+from lightning_moe_ckpt.checkpoint.planners_dense import CheckFreqPlanner, GeminiPlanner
+from lightning_moe_ckpt.recovery.global_rollback import global_rollback, restart_windows
+from lightning_moe_ckpt.recovery.partial_restore import partial_restore
+from lightning_moe_ckpt.recovery.replay import (
+    Batch,
+    RecoveryReport,
+    SnapshotView,
+    recover_from_store,
+    snapshot_view,
+    sparse_to_dense,
+)
+
+BatchFn = Callable[[int], Batch]
+
+
+def is_baseline(planner: Any) -> bool:
+    """Whether ``planner`` is a baseline policy with its own recovery."""
+    return bool(getattr(planner, "restores_partially", False)) or isinstance(
+        planner, GeminiPlanner | CheckFreqPlanner)
+
+
+def recover_baseline(coordinator: Any, batch: BatchFn, failed_step: int,
+                     failed_ranks: Iterable[int], world_size: int) -> RecoveryReport:
+    """Recover a baseline policy's run (collective when ``world_size > 1``)."""
+    planner = coordinator.planner
+    if getattr(planner, "restores_partially", False):
+        return partial_restore(coordinator, batch, failed_step, failed_ranks)
+    if world_size == 1:
+        return recover_from_store(coordinator, batch, failed_step)
+    if coordinator.persister is not None:
+        return disk_rollback(coordinator, batch, failed_step, failed_ranks)
+    return global_rollback(coordinator, batch, failed_step, failed_ranks)
+
+
+def _discard_windows(coordinator: Any) -> None:
+    store = coordinator.store
+    for start in list(store.windows):
+        for snapshot in store.windows.pop(start).snapshots.values():
+            coordinator.pool.release(snapshot)
+    store.persisted_start = None
+
+
+def disk_rollback(coordinator: Any, batch: BatchFn, failed_step: int,
+                  failed_ranks: Iterable[int]) -> RecoveryReport:
+    """CheckFreq: every rank rolls back to the newest dense snapshot all of them persisted
+    to disk; survivors use their host copy, failed ranks read their own file (collective)."""
+    started = time.perf_counter()
+    failed = tuple(sorted(set(failed_ranks)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    persister = coordinator.persister
+    coordinator.snapshots.wait_copies()
+    persister.drain()  # what was taken before the failure is on disk
+    coordinator._drain_acks()
+    coordinator.store.refresh()
+    if rank in failed:  # host memory gone; the disk survives
+        _discard_windows(coordinator)
+        steps = persister.persisted_steps()
+    else:
+        steps = sorted(start for start, record in coordinator.store.windows.items()
+                       if record.persisted)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, steps)
+    common = set(everyone[0]).intersection(*everyone[1:])
+    if not common:
+        raise CorruptCheckpointError(
+            "no dense checkpoint persisted by every rank: "
+            + ", ".join(f"rank {r} has {s}" for r, s in enumerate(everyone)))
+    step = max(common)
+    views: list[SnapshotView] = []
+    error = None
+    if rank in failed:
+        try:
+            views = [decode_snapshot(persister.read(step))]
+        except (OSError, CorruptCheckpointError) as exc:
+            error = f"rank {rank}: {exc}"
+    else:
+        views = [snapshot_view(s) for s in coordinator.store.windows[step].snapshots.values()]
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise CorruptCheckpointError("; ".join(e for e in errors if e))
+    fetched_at = time.perf_counter()
+    report = sparse_to_dense(coordinator.engine, views, batch, failed_step)
+    restart_windows(coordinator, failed_step)
+    report.phases_s["fetch"] = fetched_at - started
+    return report
