@@ -44,12 +44,17 @@ def test_persisted_window_equals_its_replicas_and_memory_is_bounded() -> None:
                     for name, tensor in tensors.items():
                         assert torch.equal(copy[step][operator]["tensors"][name], tensor)
         assert report["peak"] <= 3 * report["window_bytes"] + 1
-        # The fetch API (collective, from the first replica peer) returns every rank's
+        # The fetch API (collective, from the first intact replica peer) returns every rank's
         # window with checksums verified, bitwise equal to what that rank holds locally.
         for steps_pieces in report["fetched"].values():
             assert sorted(steps_pieces) == list(range(report["common_start"],
                                                       report["common_start"] + window))
+        # One corrupt copy: the fetch falls through to the next replica peer.
+        assert report["fetched_despite_corrupt"] == list(range(report["common_start"],
+                                                               report["common_start"] + window))
+        # Both copies corrupt: refused, naming each holder, the operator and the iteration.
         assert report["corrupt_error"] is not None
+        assert report["corrupt_error"].count("fails its checksum") == 2
         assert "rank 0, operator" in report["corrupt_error"]
         assert f"iteration {report['common_start']}" in report["corrupt_error"]
         assert report["fetched_without_holder"] == list(range(report["common_start"],

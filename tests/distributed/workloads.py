@@ -262,17 +262,21 @@ def replication_check(settings: RunSettings, steps: int, window: int) -> dict[st
     held = {source: {step: decode_snapshot(data)["pieces"]
                      for step, data in coordinator.replica_window(source, start).items()}
             for source in range(dist.get_world_size())}
-    # A peer's copy of rank 0's window gets a flipped value behind its checksum.
-    holder = replica_peers_of(0)[0]
-    if dist.get_rank() == holder:
+    # The first holder's copy of rank 0's window gets a flipped value behind its checksum:
+    # the fetch falls through to the second holder; once both copies are bad, it fails.
+    first, second = replica_peers_of(0)
+    if dist.get_rank() == first:
+        _corrupt_one_piece(replicator.replicas, 0, common_start)
+    fetched_despite_corrupt = sorted(replicator.fetch_window(0, common_start))
+    fetched_without_holder = sorted(replicator.fetch_window(0, common_start,
+                                                            exclude=(first,)))
+    if dist.get_rank() == second:
         _corrupt_one_piece(replicator.replicas, 0, common_start)
     try:
         replicator.fetch_window(0, common_start)
         corrupt_error = None
     except CorruptCheckpointError as error:
         corrupt_error = str(error)
-    fetched_without_holder = sorted(replicator.fetch_window(0, common_start,
-                                                            exclude=(holder,)))
     coordinator.flush()
     persisted = coordinator.store.persisted()
     assert persisted is not None
@@ -284,83 +288,10 @@ def replication_check(settings: RunSettings, steps: int, window: int) -> dict[st
                                         "common_start": common_start,
                                         "corrupt_error": corrupt_error,
                                         "fetched_without_holder": fetched_without_holder,
+                                        "fetched_despite_corrupt": fetched_despite_corrupt,
                                         "start": persisted.start,
                                         "windows_held": windows_held,
                                         "peak": coordinator.store.peak_bytes,
                                         "window_bytes": persisted.nbytes})
     coordinator.close()
     return {"ranks": everything}
-
-
-def rollback_check(settings: RunSettings, window: int, fail_step: int,
-                   failed_ranks: list[int]) -> dict[str, Any]:
-    """Train with moevement snapshots replicated to 2 peers; at ``fail_step`` destroy the
-    failed ranks' state and roll every rank back globally. Returns rank 0's consolidated
-    state, the losses and what the recovery did."""
-    from lightning_moe_ckpt.callbacks import SparseCheckpointing
-    from lightning_moe_ckpt.recovery.faults import destroy_rank_state
-    from lightning_moe_ckpt.recovery.global_rollback import global_rollback
-
-    engine, coords, sampler, shard = _rank_engine(settings)
-    rank = dist.get_rank()
-    checkpointing = SparseCheckpointing("moevement", replicas=2, window=window)
-    coordinator = checkpointing.attach(engine, rank=rank, world_size=dist.get_world_size())
-    losses, report, destroyed = [], None, False
-    for step in range(settings.max_steps):
-        if step == fail_step:
-            coordinator.snapshots.wait_copies()  # no copy may read the garbage
-            if rank in failed_ranks:
-                destroy_rank_state(engine.model, engine.optimizer)
-                destroyed = all(bool(torch.isnan(p).all()) for p in engine.model.parameters())
-            report = global_rollback(coordinator, lambda t: sampler.iteration(t, shard), step,
-                                     failed_ranks)
-        losses.append(float(engine.train_iteration(*sampler.iteration(step, shard)).loss))
-    checkpointing.close()
-    state = gather_consolidated_state(engine, coords, settings.max_steps)
-    assert report is not None
-    facts = {"destroyed": destroyed, "window_start": report.window_start,
-             "replayed": report.replayed}
-    everything: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, facts)
-    return {"state": state, "losses": losses, "ranks": everything}
-
-
-def localized_check(settings: RunSettings, window: int, fail_step: int,
-                    failed_ranks: list[int]) -> dict[str, Any]:
-    """Like :func:`rollback_check`, but recovering only the failed stages from the
-    neighbours' upstream logs while the other ranks pause."""
-    from lightning_moe_ckpt.callbacks import SparseCheckpointing
-    from lightning_moe_ckpt.recovery.faults import destroy_rank_state
-    from lightning_moe_ckpt.recovery.localized import localized_rollback
-
-    plan = settings.layout
-    mesh = init_device_mesh("cpu", (plan.pp, plan.dp, plan.ep), mesh_dim_names=("pp", "dp", "ep"))
-    coords = Coordinates(*mesh.get_coordinate())
-    checkpointing = SparseCheckpointing("moevement", replicas=2, window=window)
-    assert checkpointing.upstream_log is not None
-    engine = build_parallel_engine(settings, mesh, torch.device("cpu"),
-                                   [checkpointing.upstream_log])
-    sampler = build_data(settings).train
-    shard = coords.dp * plan.ep + coords.ep
-    rank = dist.get_rank()
-    coordinator = checkpointing.attach(engine, rank=rank, world_size=dist.get_world_size())
-    losses, report, destroyed = [], None, False
-    for step in range(settings.max_steps):
-        if step == fail_step:
-            coordinator.snapshots.wait_copies()  # no copy may read the garbage
-            if rank in failed_ranks:
-                destroy_rank_state(engine.model, engine.optimizer,
-                                   [checkpointing.upstream_log.drop])
-                destroyed = True
-            report = localized_rollback(coordinator, checkpointing.upstream_log, plan, coords,
-                                        lambda t: sampler.iteration(t, shard), step,
-                                        failed_ranks)
-        losses.append(float(engine.train_iteration(*sampler.iteration(step, shard)).loss))
-    checkpointing.close()
-    state = gather_consolidated_state(engine, coords, settings.max_steps)
-    facts = {"destroyed": destroyed, "in_scope": report is not None,
-             "paused_calls": getattr(coordinator, "paused_forward_backward", None),
-             "replay_calls": None if report is None else report.forward_backward_calls}
-    everything: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, facts)
-    return {"state": state, "losses": losses, "ranks": everything}

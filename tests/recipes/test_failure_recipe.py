@@ -38,16 +38,45 @@ def test_training_through_an_injected_failure_is_bitwise(tmp_path: Path, api: st
     assert 0 < 13 - recovery["window_start"] <= 2 * 3 + 1
     assert recovery["iterations_replayed"] == 13 - recovery["window_start"] - 1
     # Rank 0 (stage 0) logs the activations it sends: 4 micro-batches of 2 x 64 x 64 fp32
-    # per iteration, freed as windows persist, so at most ~two windows (+2) are held.
+    # per iteration, kept from the previous persisted window's start (the fallback point):
+    # at most ~three windows (+2) are held.
     per_iteration = 4 * 2 * 64 * 64 * 4
     if logging:
-        assert 0 < metrics["upstream_log_bytes_peak"] <= (2 * 3 + 2) * per_iteration + 4096
+        assert 0 < metrics["upstream_log_bytes_peak"] <= (3 * 3 + 2) * per_iteration + 4096
     else:
         assert metrics["upstream_log_bytes_peak"] == 0
     golden_losses = json.loads((tmp_path / "golden" / "metrics.json").read_text())["loss"]
     assert metrics["loss"] == golden_losses
     assert_states_equal(tmp_path / "golden" / "final_state.pt",
                         tmp_path / "failed" / "final_state.pt")
+
+
+def test_failure_of_every_rank_falls_back_to_the_durable_checkpoint(tmp_path: Path) -> None:
+    """Every rank fails at once: no host memory survives, so no window is usable. With a
+    durable checkpoint the run recovers from it bitwise; without one it stops and says
+    what was missing."""
+    common = ("api=trainer", "parallel.pp=2", "trainer.max_steps=12", "checkpoint.window=3")
+    everyone = ("faults=at", "faults.events=[{step: 11, rank: 0}, {step: 11, rank: 1}]")
+    golden = run_recipe(tmp_path / "golden", *common)
+    assert golden.returncode == 0, golden.stderr[-4000:]
+    durable = run_recipe(tmp_path / "durable", *common, *everyone, "checkpoint.durable_every=2",
+                         f"checkpoint.durable_dir={tmp_path / 'durable' / 'ckpt'}")
+    assert durable.returncode == 0, durable.stderr[-4000:]
+    metrics = json.loads((tmp_path / "durable" / "metrics.json").read_text())
+    assert metrics["failures_injected"] == 2
+    recovery = metrics["recoveries"][0]
+    assert recovery["ranks_rolled_back"] == [0, 1]
+    resumed_at = recovery["window_start"]  # the durable checkpoint's step
+    assert f"step={resumed_at}.ckpt" in {Path(p).name for p in metrics["durable_checkpoints"]}
+    assert recovery["iterations_replayed"] == 11 - resumed_at > 0
+    assert metrics["loss"] == json.loads((tmp_path / "golden" / "metrics.json").read_text())["loss"]
+    assert_states_equal(tmp_path / "golden" / "final_state.pt",
+                        tmp_path / "durable" / "final_state.pt")
+    stopped = run_recipe(tmp_path / "stopped", *common, *everyone)
+    assert stopped.returncode != 0
+    assert "NoUsableCheckpointError" in stopped.stderr
+    assert "no surviving rank holds a persisted checkpoint" in stopped.stderr
+    assert "checkpoint.durable_every" in stopped.stderr
 
 
 def test_faults_without_checkpointing_is_refused(tmp_path: Path) -> None:

@@ -27,15 +27,17 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
+from lightning_moe_ckpt.checkpoint.replication import CorruptCheckpointError
 from lightning_moe_ckpt.recovery.baselines import is_baseline, recover_baseline
+from lightning_moe_ckpt.recovery.durable import recover_from_durable
 from lightning_moe_ckpt.recovery.faults import (
     FailureCounter,
     FaultSchedule,
     destroy_rank_state,
 )
-from lightning_moe_ckpt.recovery.global_rollback import global_rollback
+from lightning_moe_ckpt.recovery.global_rollback import global_rollback, restart_windows
 from lightning_moe_ckpt.recovery.localized import localized_rollback
-from lightning_moe_ckpt.recovery.replay import RecoveryReport, recover_from_store
+from lightning_moe_ckpt.recovery.replay import Cascade, RecoveryReport, recover_from_store
 from lightning_moe_ckpt.recovery.scope import recovery_scopes
 from lightning_moe_ckpt.training.engine import TrainingEngine
 
@@ -53,6 +55,7 @@ class FailureInjector(L.Callback):
         self.engine: TrainingEngine | None = None
         self.batch: BatchFn | None = None
         self.rank, self.world_size = 0, 1
+        self.trainer: L.Trainer | None = None  # loads durable checkpoints when set
 
     def attach(self, engine: TrainingEngine, batch: BatchFn, rank: int = 0,
                world_size: int = 1) -> None:
@@ -64,43 +67,62 @@ class FailureInjector(L.Callback):
         engine.hooks.append(self)
 
     def before_iteration(self, step: int) -> None:
+        coordinator = self.checkpointing.coordinator
+        assert coordinator is not None  # attach() checked it
+        # A failure during the copy (or replication) of SS_step strikes while iteration
+        # step + 1 runs: that copy never completes on the failed rank.
+        if any(event.rank == self.rank and event.phase in ("snapshot_copy", "replication")
+               for event in self.schedule.events_at(step + 1)):
+            coordinator.snapshots.interrupt_copy(step)
         events = self.schedule.events_at(step)
         if not events:
             return
         assert self.engine is not None and self.batch is not None
-        coordinator = self.checkpointing.coordinator
-        assert coordinator is not None  # attach() checked it
         detected = time.perf_counter()
-        failed = sorted({event.rank for event in events})
+        # Failures in phase "recovery" strike while the recovery from the others runs.
+        cascading = [e for e in events if e.phase == "recovery"]
+        first = [e for e in events if e.phase != "recovery"] or cascading
+        cascading = [e for e in cascading if e not in first]
+        failed = sorted({event.rank for event in first})
         for event in events:
             self.counter.record(event)
         # Copies already issued complete first: a dead worker's in-flight copy never
         # finishes with post-failure data (destroying the weights under a running copy
         # would put garbage into a snapshot).
         coordinator.snapshots.wait_copies()
+        coordinator.snapshots.interrupted_steps.clear()  # the interrupted copy is done
         if self.rank in failed:
-            log = self.checkpointing.upstream_log
-            destroy_rank_state(self.engine.model, self.engine.optimizer,
-                               [log.drop] if log is not None else [])
-        plan = self.engine.settings.layout
-        log = self.checkpointing.upstream_log
-        rolled_back = list(range(self.world_size))
+            self._destroy()
+        cascade = None
+        if cascading:
+            cascade = Cascade(tuple(sorted({e.rank for e in cascading})),
+                              self._fail_if_among(tuple(e.rank for e in cascading)))
+            if self.world_size == 1 or is_baseline(coordinator.planner):
+                # One process, or a baseline that restarts everyone from its checkpoint:
+                # the later failure only adds to what is lost before the recovery.
+                cascade.fail()
+                failed = sorted(set(failed) | set(cascade.ranks))
+                cascade = None
         report: RecoveryReport | None
-        if is_baseline(coordinator.planner):  # every rank rolls back, never localized
-            report = recover_baseline(coordinator, self.batch, step, failed, self.world_size)
-        elif self.world_size == 1:  # one process: its host memory survives a device failure
-            report = recover_from_store(coordinator, self.batch, step)
-        elif log is not None and plan.pp > 1 and plan.stages_per_rank == 1:
-            scopes = recovery_scopes(plan, failed, upstream_logging=True)
-            rolled_back = sorted(r for scope in scopes for r in scope.ranks)
-            report = localized_rollback(coordinator, log, plan,
-                                        plan.coordinates(self.rank), self.batch, step, failed)
-        else:
-            report = global_rollback(coordinator, self.batch, step, failed)
+        recovering = time.perf_counter()  # failure handled, state lost: recovery begins
+        try:
+            report, rolled_back = self._recover(step, failed, cascade)
+        except CorruptCheckpointError as error:  # raised alike on every rank
+            assert self.engine is not None and self.batch is not None
+            report = recover_from_durable(self.trainer, self.engine,
+                                          self.checkpointing.durable_saved, self.batch, step,
+                                          error)
+            resuming = time.perf_counter()
+            restart_windows(coordinator, step)
+            report.phases_s["resume"] = time.perf_counter() - resuming
+            rolled_back = list(range(self.world_size))
         summary = self._agree_on_summary(report)
+        summary["timings_s"]["detect"] = recovering - detected
         summary["timings_s"]["total"] = time.perf_counter() - detected
         self.recoveries.append({
-            "failed_step": step, "failed_ranks": failed,
+            "failed_step": step, "failed_ranks": sorted({e.rank for e in events}),
+            "cascading_ranks": [] if cascade is None else list(cascade.ranks),
+            "recovery_rounds": summary["rounds"],
             "failed_phases": sorted({event.phase for event in events}),
             "window_start": summary["window_start"], "window": summary["window"],
             "iterations_replayed": summary["replayed"],
@@ -110,11 +132,53 @@ class FailureInjector(L.Callback):
             "timings_s": summary["timings_s"],
         })
 
+    def _recover(self, step: int, failed: list[int], cascade: Cascade | None
+                 ) -> tuple[RecoveryReport | None, list[int]]:
+        """Run the recovery the policy and layout call for; returns this rank's report
+        (``None`` when it only paused) and the ranks rolled back."""
+        assert self.engine is not None and self.batch is not None
+        coordinator = self.checkpointing.coordinator
+        assert coordinator is not None
+        report: RecoveryReport | None
+        plan = self.engine.settings.layout
+        log = self.checkpointing.upstream_log
+        rolled_back = list(range(self.world_size))
+        if is_baseline(coordinator.planner):  # every rank rolls back, never localized
+            report = recover_baseline(coordinator, self.batch, step, failed, self.world_size)
+        elif self.world_size == 1:  # one process: its host memory survives a device failure
+            report = recover_from_store(coordinator, self.batch, step)
+        elif log is not None and plan.pp > 1 and plan.stages_per_rank == 1:
+            scopes = recovery_scopes(plan, failed, upstream_logging=True)
+            if cascade is not None:
+                scopes = recovery_scopes(plan, cascade.ranks, upstream_logging=True,
+                                         ongoing=scopes)
+            rolled_back = sorted(r for scope in scopes for r in scope.ranks)
+            report = localized_rollback(coordinator, log, plan,
+                                        plan.coordinates(self.rank), self.batch, step, failed,
+                                        cascade)
+        else:
+            report = global_rollback(coordinator, self.batch, step, failed, cascade)
+        return report, rolled_back
+
+    def _destroy(self) -> None:
+        """What this rank's worker loses when it fails."""
+        assert self.engine is not None
+        log = self.checkpointing.upstream_log
+        destroy_rank_state(self.engine.model, self.engine.optimizer,
+                           [log.drop] if log is not None else [])
+
+    def _fail_if_among(self, ranks: tuple[int, ...]) -> Callable[[], None]:
+        def fail() -> None:
+            if self.rank in ranks:
+                self._destroy()
+        return fail
+
     def _agree_on_summary(self, report: RecoveryReport | None) -> dict[str, Any]:
         """Paused ranks have no report of their own: take one from a scope rank."""
         mine = None if report is None else {
             "window_start": report.window_start, "window": report.window,
-            "replayed": report.replayed, "timings_s": dict(report.phases_s)}
+            "replayed": report.replayed, "rounds": report.rounds,
+            "timings_s": dict(report.phases_s)}
         if report is not None and mine is not None:  # zero unless a partial baseline
             mine.update(lost_tokens=report.lost_tokens,
                         lost_token_portion=report.lost_token_portion,
@@ -144,6 +208,9 @@ class FailureInjector(L.Callback):
         lines = [f"failures injected: {self.counter.total}"]
         for r in self.recoveries:
             timing = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["timings_s"].items())
+            if r["cascading_ranks"]:
+                timing += (f"; ranks {r['cascading_ranks']} failed during the recovery, "
+                           f"{r['recovery_rounds']} rounds")
             lines.append(
                 f"  step {r['failed_step']}: ranks {r['failed_ranks']} failed; rolled back "
                 f"{len(r['ranks_rolled_back'])} ranks to window {r['window_start']} "
@@ -153,6 +220,7 @@ class FailureInjector(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.trainer = trainer
         engine = getattr(pl_module, "engine", None)
         run_data = getattr(pl_module, "run_data", None)
         if not isinstance(engine, TrainingEngine) or run_data is None:

@@ -125,29 +125,46 @@ class Replicator:
 
     def fetch_window(self, source: int, window_start: int,
                      exclude: tuple[int, ...] = ()) -> dict[int, dict[str, Any]]:
-        """``source``'s window as held by its first replica peer not in ``exclude``.
+        """``source``'s window as held by its replica peers not in ``exclude``.
 
         Collective over the replication group: every rank calls it with the same arguments
-        (after :meth:`drain`). Every rank returns the decoded snapshots by step, each piece's
-        checksum verified; a missing snapshot or a corrupt piece raises
-        :class:`CorruptCheckpointError` naming rank, operator and iteration.
+        (after :meth:`drain`). The live holders are tried in placement order until one
+        holds the whole window intact; every rank decodes the same bytes, so all of them
+        see the same outcome. Returns the decoded snapshots by step, each piece's checksum
+        verified; when no holder has it intact, raises :class:`CorruptCheckpointError`
+        naming rank, operator and iteration for every holder.
         """
         holders = [p for p in replica_peers(source, self.world_size, self.replica_count,
                                             self.ranks_per_node) if p not in exclude]
+        problems = []
+        for holder in holders:
+            try:
+                return self._fetch_from(holder, source, window_start)
+            except CorruptCheckpointError as error:
+                problems.append(f"replica on rank {holder}: {error}")
         if not holders:
-            raise CorruptCheckpointError(f"no live replica holds the checkpoint of rank "
-                                         f"{source} (window starting at {window_start})")
+            problems.append("no live replica peer")
+        raise CorruptCheckpointError(f"no intact copy of the checkpoint of rank {source} "
+                                     f"(window starting at {window_start}): "
+                                     + "; ".join(problems))
+
+    def _fetch_from(self, holder: int, source: int,
+                    window_start: int) -> dict[int, dict[str, Any]]:
         box: list[Any] = [self.replicas.window(source, window_start)
-                          if self.rank == holders[0] else None]
-        dist.broadcast_object_list(box, src=holders[0], group=self.group)
+                          if self.rank == holder else None]
+        dist.broadcast_object_list(box, src=holder, group=self.group)
         held: dict[int, torch.Tensor] = box[0]
         snapshots = {step: decode_snapshot(data) for step, data in sorted(held.items())}
         if not snapshots:
             raise CorruptCheckpointError(f"checkpoint of rank {source}, window starting at "
-                                         f"{window_start} is missing on replica {holders[0]}")
+                                         f"{window_start} is missing")
         window = next(iter(snapshots.values()))["window"]
         verify_window(snapshots, source, window_start, window, expected=lambda step: [])
         return snapshots
+
+    def held_window_starts(self) -> set[int]:
+        """Window starts of which this rank holds a replica of some source."""
+        return {start for held in self.replicas.windows.values() for start in held}
 
     def _run(self) -> None:
         while (snapshot := self._queue.get()) is not None:

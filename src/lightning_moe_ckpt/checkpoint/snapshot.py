@@ -145,6 +145,7 @@ class SnapshotEngine:
         self.copy_delay_s = copy_delay_s  # tests slow the copy down to provoke races
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self.pending: list[Snapshot] = []
+        self.interrupted_steps: set[int] = set()  # copies a simulated failure cuts short
         self.stall_s = 0.0
         self.bytes_issued = 0
         self._work: queue.Queue[tuple[Snapshot, list[tuple[torch.Tensor, torch.Tensor]]] | None]
@@ -182,6 +183,13 @@ class SnapshotEngine:
         self._work.put((snapshot, pairs))
         return snapshot
 
+    def interrupt_copy(self, step: int) -> None:
+        """Failure injection: this rank's worker dies while SS_``step`` is being copied.
+        The copy never completes, so its pieces get no checksum: the snapshot (and any
+        window it belongs to) is unusable here and on the replica peers. Call before the
+        snapshot is issued."""
+        self.interrupted_steps.add(step)
+
     def wait_copies(self) -> float:
         """Block until every issued copy finished; returns (and accumulates) the stall."""
         if not self.pending:
@@ -211,8 +219,9 @@ class SnapshotEngine:
                 for source, target in pairs:
                     target.copy_(source)
             snapshot.copied.set()
-            for piece in snapshot.pieces.values():
-                piece.checksum = tensor_checksum(piece.tensors)
+            if snapshot.step not in self.interrupted_steps:
+                for piece in snapshot.pieces.values():
+                    piece.checksum = tensor_checksum(piece.tensors)
             snapshot.checksummed.set()
 
 

@@ -6,7 +6,9 @@ Snapshots are grouped by the window (sparse checkpoint) they belong to. A window
 reports that). The store keeps the newest persisted window and the windows after it;
 as soon as a newer window persists, older ones are released to the buffer pool, and the
 registered release listeners (the upstream log) are told from which step on state must be
-kept. So host memory stays bounded by two windows (invariant 5).
+kept: the start of the previous persisted window, the fallback recovery point whose
+snapshots the replica peers still hold. So host memory stays bounded by two windows of
+snapshots plus the logs since the older one's start (invariant 5).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class SnapshotStore:
         self.windows: dict[int, WindowRecord] = {}
         self.persisted_start: int | None = None
         self.release_listeners: list[Callable[[int], None]] = []
+        self._kept_from: int | None = None
         self.peak_bytes = 0
 
     def add(self, snapshot: Snapshot) -> WindowRecord:
@@ -83,9 +86,15 @@ class SnapshotStore:
             for start in [s for s in self.windows if s < newest]:
                 for snapshot in self.windows.pop(start).snapshots.values():
                     self._free(snapshot)
+            # Logs are kept from the start of the previous persisted window on: a recovery
+            # that finds the newest window unusable falls back to it (its snapshots survive
+            # on the replica peers), and replaying from there needs those logs.
+            keep_from = newest if self.persisted_start is None else self.persisted_start
             self.persisted_start = newest
-            for listener in self.release_listeners:
-                listener(newest)
+            if keep_from != self._kept_from:
+                self._kept_from = keep_from
+                for listener in self.release_listeners:
+                    listener(keep_from)
         return self.persisted_start
 
     def _free(self, snapshot: Snapshot) -> None:

@@ -45,6 +45,11 @@ class ExpertParallelDispatch:
 
     def __call__(self, tokens: torch.Tensor, counts_per_expert: list[int]) -> torch.Tensor:
         per_rank = len(self.local_experts)
+        if torch.is_grad_enabled() and not tokens.requires_grad:
+            # Frozen replay can leave this rank's tokens without a grad path (first stage,
+            # everything before the layer frozen) while a peer's experts are active: the
+            # backward all-to-alls must still run here, or the peers' collectives hang.
+            tokens = tokens.detach().requires_grad_()
         send_counts = torch.tensor(counts_per_expert, dtype=torch.int64, device=tokens.device)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)

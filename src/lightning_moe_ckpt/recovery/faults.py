@@ -1,7 +1,10 @@
 """Failure injection: when and where ranks fail, and what a failed rank loses.
 
 A :class:`FailureEvent` kills one rank at one optimizer step (0-based) in one phase of it
-(forward, backward, optimizer, during the snapshot copy, during replication). Schedules
+(forward, backward, optimizer: the iteration is aborted and redone; during the snapshot
+copy or the replication of the previous step's snapshot: that snapshot never completes;
+recovery: the rank fails while the recovery from the step's other failures is under way,
+a cascading failure). Schedules
 answer :meth:`events_at` for the step about to run: :class:`AtSchedule` lists events
 (``faults=at``), :class:`MtbfSchedule` draws a seeded Poisson process with mean
 ``faults.mtbf_steps`` steps between failures on uniformly random ranks, and
@@ -30,9 +33,10 @@ from torch import nn
 
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
 
-Phase = Literal["forward", "backward", "optimizer", "snapshot_copy", "replication"]
+Phase = Literal["forward", "backward", "optimizer", "snapshot_copy", "replication",
+                "recovery"]
 PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer", "snapshot_copy",
-                             "replication")
+                             "replication", "recovery")
 SCHEDULES = ("none", "at", "mtbf", "trace")
 
 

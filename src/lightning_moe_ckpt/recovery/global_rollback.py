@@ -7,7 +7,9 @@ failed iteration:
 1. outstanding copies and replication are drained, so every rank's store and its peers'
    replicas reflect every snapshot taken before the failure;
 2. the ranks agree on the newest window persisted on every surviving rank (failed ranks
-   lost their host memory: their own store and the replicas they held for others);
+   lost their host memory: their own store and the replicas they held for others); if
+   some rank's copy of it is gone or corrupt on every replica, they fall back to the
+   previous window, and with no usable window the recovery stops with an error;
 3. a rank whose store no longer holds that window (a failed rank, or one that already
    freed it after a newer window persisted) fetches it from its first live replica peer,
    checksums verified; the others use their own host copies;
@@ -27,6 +29,8 @@ import torch.distributed as dist
 from lightning_moe_ckpt.checkpoint.replication import CorruptCheckpointError
 from lightning_moe_ckpt.recovery.replay import (
     Batch,
+    Cascade,
+    RecoveryInterrupted,
     RecoveryReport,
     SnapshotView,
     snapshot_view,
@@ -47,7 +51,12 @@ def agree_on_window(coordinator: Any, failed: tuple[int, ...],
     failed ranks lost, agree on the newest window persisted on every surviving rank and
     fetch it from replicas where a rank that ``wants_window`` no longer holds it.
 
-    Returns the window's start and, when ``wants_window``, this rank's snapshots of it.
+    When some rank's copy of that window is missing or corrupt on every replica peer, the
+    ranks fall back to the previous window (the replica peers keep two windows per
+    source; the upstream logs are kept since its start). When no window is usable,
+    raises :class:`CorruptCheckpointError` naming every window tried and what was
+    missing. Returns the window's start and, when ``wants_window``, this rank's snapshots
+    of it.
     """
     rank = dist.get_rank()
     replicator = coordinator.replicator
@@ -65,25 +74,53 @@ def agree_on_window(coordinator: Any, failed: tuple[int, ...],
     live = [s for s in starts if s is not None]
     if not live:
         raise CorruptCheckpointError("no surviving rank holds a persisted checkpoint")
-    common = min(live)
-    record = coordinator.store.windows.get(common)
+    candidate: int | None = min(live)
+    tried: list[str] = []
+    while candidate is not None:
+        try:
+            return candidate, _window_views(coordinator, failed, wants_window, candidate)
+        except CorruptCheckpointError as error:  # every rank raises alike (same bytes)
+            tried.append(f"window starting at {candidate}: {error}")
+        candidate = _previous_window(coordinator, candidate)
+    raise CorruptCheckpointError("no usable checkpoint window: " + " | ".join(tried))
+
+
+def _window_views(coordinator: Any, failed: tuple[int, ...], wants_window: bool,
+                  start: int) -> list[SnapshotView] | None:
+    """This rank's snapshots of window ``start``: from its own store when it still holds
+    the window persisted, else from a replica peer (collective)."""
+    rank = dist.get_rank()
+    replicator = coordinator.replicator
+    record = coordinator.store.windows.get(start)
+    local = record is not None and record.persisted
     needs: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(needs, wants_window and not (record is not None
-                                                        and record.persisted))
+    dist.all_gather_object(needs, wants_window and not local)
     views: list[SnapshotView] | None = None
     for source, needed in enumerate(needs):
         if needed:
             if replicator is None:
                 raise CorruptCheckpointError(
-                    f"rank {source} lost the checkpoint window starting at {common} and "
+                    f"rank {source} lost the checkpoint window starting at {start} and "
                     "checkpoint.replicas=0 keeps no copy elsewhere")
-            fetched = replicator.fetch_window(source, common, exclude=failed)
+            fetched = replicator.fetch_window(source, start, exclude=failed)
             if source == rank:
                 views = list(fetched.values())
     if wants_window and views is None:
         assert record is not None
         views = [snapshot_view(s) for s in record.snapshots.values()]
-    return common, views
+    return views
+
+
+def _previous_window(coordinator: Any, start: int) -> int | None:
+    """The newest window older than ``start`` that any rank still holds (collective)."""
+    replicator = coordinator.replicator
+    held = set(coordinator.store.windows)
+    if replicator is not None:
+        held |= replicator.held_window_starts()
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(s for s in held if s < start))
+    older = [s for starts in everyone for s in starts]
+    return max(older) if older else None
 
 
 def restart_windows(coordinator: Any, failed_step: int) -> None:
@@ -95,17 +132,44 @@ def restart_windows(coordinator: Any, failed_step: int) -> None:
 
 
 def global_rollback(coordinator: Any, batch: Callable[[int], Batch], failed_step: int,
-                    failed_ranks: Iterable[int]) -> RecoveryReport:
+                    failed_ranks: Iterable[int],
+                    cascade: Cascade | None = None) -> RecoveryReport:
     """Roll every rank back to the common persisted window and replay to ``failed_step``.
 
     ``coordinator`` is this rank's checkpoint coordinator; every rank calls this with the
-    same ``failed_step`` and ``failed_ranks`` (a collective).
+    same ``failed_step`` and ``failed_ranks`` (a collective). A ``cascade`` (ranks failing
+    during the recovery) stops the replay everywhere and restarts it with those ranks'
+    state gone too.
     """
+    failed = tuple(sorted(set(failed_ranks)))
+    executor = coordinator.engine.executor
+    calls_before = getattr(executor, "forward_backward_calls", 0)
+    report = _global_round(coordinator, batch, failed_step, failed,
+                           None if cascade is None else cascade.after_replayed)
+    if cascade is not None:
+        cascade.fail()
+        dist.barrier()
+        second = _global_round(coordinator, batch, failed_step,
+                               tuple(sorted(set(failed) | set(cascade.ranks))), None)
+        second.merge_restart(report)
+        report = second
+    resuming = time.perf_counter()
+    restart_windows(coordinator, failed_step)
+    report.phases_s["resume"] = time.perf_counter() - resuming
+    report.forward_backward_calls = getattr(executor, "forward_backward_calls", 0) - calls_before
+    return report
+
+
+def _global_round(coordinator: Any, batch: Callable[[int], Batch], failed_step: int,
+                  failed: tuple[int, ...], stop_after: int | None) -> RecoveryReport:
     started = time.perf_counter()
-    _, views = agree_on_window(coordinator, tuple(sorted(set(failed_ranks))), True)
+    _, views = agree_on_window(coordinator, failed, True)
     assert views is not None
     fetched_at = time.perf_counter()
-    report = sparse_to_dense(coordinator.engine, views, batch, failed_step)
-    restart_windows(coordinator, failed_step)
+    try:
+        report = sparse_to_dense(coordinator.engine, views, batch, failed_step,
+                                 stop_after=stop_after)
+    except RecoveryInterrupted as interrupted:
+        report = interrupted.report
     report.phases_s["fetch"] = fetched_at - started
     return report

@@ -16,6 +16,9 @@ calls :func:`localized_rollback` at the failed iteration (a collective):
    ranks outside the scope run no forward or backward at all;
 5. everyone resumes at the failed iteration.
 
+A failure during the recovery (a cascade) stops the scopes it touches, widens them and
+restarts them from the window; untouched scopes finish, and a new scope recovers next.
+
 Interleaved schedules (several stages per pipeline rank) recover by global rollback.
 """
 
@@ -32,10 +35,12 @@ from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
 from lightning_moe_ckpt.recovery.global_rollback import agree_on_window, restart_windows
 from lightning_moe_ckpt.recovery.replay import (
     Batch,
+    Cascade,
+    RecoveryInterrupted,
     RecoveryReport,
     sparse_to_dense,
 )
-from lightning_moe_ckpt.recovery.scope import recovery_scopes
+from lightning_moe_ckpt.recovery.scope import RecoveryScope, recovery_scopes
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 
 
@@ -58,17 +63,61 @@ def _neighbour_logs(log: UpstreamLog, plan: ParallelPlan, coords: Coordinates,
 
 def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
                        coords: Coordinates, batch: Callable[[int], Batch], failed_step: int,
-                       failed_ranks: Iterable[int]) -> RecoveryReport | None:
+                       failed_ranks: Iterable[int],
+                       cascade: Cascade | None = None) -> RecoveryReport | None:
     """Recover the failed ranks' stages from logs; returns the report on scope ranks and
-    ``None`` on paused ones."""
+    ``None`` on ranks that only paused.
+
+    With a ``cascade``, its ranks fail while the recovery is under way: scopes the new
+    failures touch (adjacent stages, or inside the scope) stop, widen and restart from the
+    window; scopes they do not touch finish, and new scopes recover in a second round.
+    """
     if plan.stages_per_rank != 1:
         raise ValueError("localized rollback needs one stage per pipeline rank; "
                          "interleaved schedules recover by global rollback")
-    started = time.perf_counter()
     failed = tuple(sorted(set(failed_ranks)))
-    world = dist.get_world_size()
     scopes = recovery_scopes(plan, failed, upstream_logging=True)
-    scope_pp = {p for scope in scopes for p in scope.stages}
+    executor = coordinator.engine.executor
+    calls_before = getattr(executor, "forward_backward_calls", 0)
+    again: list[RecoveryScope] = []
+    if cascade is not None:
+        widened = recovery_scopes(plan, cascade.ranks, upstream_logging=True, ongoing=scopes)
+        again = [scope for scope in widened
+                 if scope not in scopes or set(scope.ranks) & set(cascade.ranks)]
+    restarting = {p for scope in again for p in scope.stages}
+    stop_after = cascade.after_replayed if cascade is not None and coords.pp in restarting \
+        else None
+    report = _recover_scopes(coordinator, log, plan, coords, batch, failed_step, failed,
+                             {p for scope in scopes for p in scope.stages}, stop_after)
+    if cascade is not None:
+        cascade.fail()
+        lost = set(failed) | set(cascade.ranks)
+        again_ranks = {r for scope in again for r in scope.ranks}
+        second = _recover_scopes(coordinator, log, plan, coords, batch, failed_step,
+                                 tuple(sorted(lost & again_ranks)), restarting, None)
+        if second is not None:
+            if report is not None:
+                second.merge_restart(report)
+            report = second
+    resuming = time.perf_counter()
+    restart_windows(coordinator, failed_step)
+    calls = getattr(executor, "forward_backward_calls", 0) - calls_before
+    if report is not None:
+        report.phases_s["resume"] = time.perf_counter() - resuming
+        report.forward_backward_calls = calls
+    coordinator.paused_forward_backward = 0 if report is not None else calls
+    return report
+
+
+def _recover_scopes(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
+                    coords: Coordinates, batch: Callable[[int], Batch], failed_step: int,
+                    failed: tuple[int, ...], scope_pp: set[int],
+                    stop_after: int | None) -> RecoveryReport | None:
+    """One round: the scope ranks (pipeline positions ``scope_pp``) convert the agreed
+    window and replay from the neighbours' logs; the rest only take part in the
+    collectives. A replay cut short by ``stop_after`` returns its partial report."""
+    started = time.perf_counter()
+    world = dist.get_world_size()
     in_scope = coords.pp in scope_pp
     executor = coordinator.engine.executor
     common, views = agree_on_window(coordinator, failed, in_scope)
@@ -77,7 +126,6 @@ def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
     dist.all_gather_object(handed, _neighbour_logs(log, plan, coords, scope_pp, iterations))
     fetched_at = time.perf_counter()
     report = None
-    calls_before = getattr(executor, "forward_backward_calls", 0)
     if in_scope:
         assert views is not None
         clip = {t: c for part in handed for t, c in part["clip"].items()}
@@ -92,17 +140,15 @@ def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
             for t in iterations}
         executor.replaying = True
         try:
-            report = sparse_to_dense(coordinator.engine, views, batch, failed_step, clip)
+            report = sparse_to_dense(coordinator.engine, views, batch, failed_step, clip,
+                                     stop_after)
+        except RecoveryInterrupted as interrupted:
+            report = interrupted.report
         finally:
             executor.replaying = False
             runner.replay = {}
+        report.phases_s["fetch"] = fetched_at - started
     else:  # paused: keep the live state, run nothing
         coordinator.engine.step = failed_step
     dist.barrier()
-    restart_windows(coordinator, failed_step)
-    calls = getattr(executor, "forward_backward_calls", 0) - calls_before
-    if report is not None:
-        report.phases_s["fetch"] = fetched_at - started
-        report.forward_backward_calls = calls
-    coordinator.paused_forward_backward = 0 if in_scope else calls
     return report

@@ -42,6 +42,25 @@ def snapshot_view(snapshot: Snapshot) -> dict[str, Any]:
                        for name, piece in snapshot.pieces.items()}}
 
 
+@dataclass(frozen=True)
+class Cascade:
+    """A failure during an ongoing recovery (paper Appendix A): ``ranks`` fail once the
+    recovering ranks have replayed ``after_replayed`` iterations; ``fail`` (called on
+    every rank) destroys this rank's state when it is one of them."""
+
+    ranks: tuple[int, ...]
+    fail: Callable[[], None]
+    after_replayed: int = 1
+
+
+class RecoveryInterrupted(Exception):
+    """A cascading failure cut a replay short; ``report`` says how far it got."""
+
+    def __init__(self, report: RecoveryReport) -> None:
+        super().__init__(f"recovery interrupted after {report.replayed} replayed iterations")
+        self.report = report
+
+
 @dataclass
 class RecoveryReport:
     """What one recovery did, for ``metrics.json``."""
@@ -56,6 +75,14 @@ class RecoveryReport:
     lost_tokens: int = 0  # expert assignments whose update was lost, all layers
     lost_token_portion: float = 0.0  # the policy's lost-token proportion after it
     stale_experts: tuple[str, ...] = ()  # experts restored from a save older than the rest
+    rounds: int = 1  # 2 when a cascading failure restarted the recovery
+
+    def merge_restart(self, earlier: RecoveryReport) -> None:
+        """Fold in the work of an interrupted earlier round (its replay was wasted)."""
+        self.replayed += earlier.replayed
+        self.rounds += earlier.rounds
+        for phase, seconds in earlier.phases_s.items():
+            self.phases_s[phase] = self.phases_s.get(phase, 0.0) + seconds
 
 
 @torch.no_grad()
@@ -86,11 +113,13 @@ def _restore_schedule(engine: TrainingEngine, metadata: Mapping[str, Any]) -> No
 
 def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
                     batch: Callable[[int], Batch], failed_step: int,
-                    clip_coefs: Mapping[int, torch.Tensor] | None = None) -> RecoveryReport:
+                    clip_coefs: Mapping[int, torch.Tensor] | None = None,
+                    stop_after: int | None = None) -> RecoveryReport:
     """Rebuild the dense state from ``window`` and replay up to ``failed_step`` (the
     iteration that did not complete); the engine is then ready to run it again.
     ``clip_coefs`` (logged per iteration) replace every recomputed clip coefficient: a
-    localized replay cannot form the global gradient norm."""
+    localized replay cannot form the global gradient norm. ``stop_after`` (failure
+    injection) raises :class:`RecoveryInterrupted` once that many iterations replayed."""
     window = sorted(window, key=lambda view: view["step"])
     start = window[0]["step"]
     report = RecoveryReport(start, len(window), failed_step)
@@ -111,6 +140,7 @@ def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
         for view in window[1:]:
             step = view["step"]
             clip = view["metadata"]["clip_coef"] if clip_coefs is None else clip_coefs[step]
+            _check_interrupt(report, stop_after)
             engine.train_iteration(*batch(step), clip_coef=clip)
             report.replayed += 1
             for operator, piece in view["pieces"].items():
@@ -126,13 +156,20 @@ def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
         report.phases_s["convert"] = time.perf_counter() - converting
         replaying = time.perf_counter()
         for step in range(start + len(window), failed_step):
+            _check_interrupt(report, stop_after)
             engine.train_iteration(*batch(step),
                                    clip_coef=None if clip_coefs is None else clip_coefs[step])
             report.replayed += 1
         report.phases_s["replay"] = time.perf_counter() - replaying
+        _check_interrupt(report, stop_after)  # a replay shorter than the cascade's delay
     finally:
         engine.hooks = hooks
     return report
+
+
+def _check_interrupt(report: RecoveryReport, stop_after: int | None) -> None:
+    if stop_after is not None and report.replayed >= stop_after:
+        raise RecoveryInterrupted(report)
 
 
 def _set_step(engine: TrainingEngine, step: int) -> None:

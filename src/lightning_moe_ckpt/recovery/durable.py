@@ -1,0 +1,89 @@
+"""Last resort of a recovery: the durable dense checkpoint, or a clear error.
+
+When no checkpoint window is usable (every replica of some piece lost or corrupt, or every
+rank failed at once, so no host memory survived), recovery falls back to the newest
+durable checkpoint that every rank wrote before the failure (``checkpoint.durable_every``,
+written through the Trainer's checkpoint IO by :class:`SparseCheckpointing`): every rank
+loads its file (model, master weights and optimizer state, LR schedule, step) and replays,
+all operators active, up to the failed iteration. Without one, the run stops with
+:class:`NoUsableCheckpointError` saying what was missing; it never continues from an
+inconsistent state.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_moe_ckpt.recovery.replay import Batch, RecoveryReport, _set_step
+from lightning_moe_ckpt.training.engine import TrainingEngine
+
+
+class NoUsableCheckpointError(RuntimeError):
+    """Recovery found neither a usable checkpoint window nor a durable checkpoint."""
+
+
+def durable_step(path: str) -> int:
+    """The step a durable checkpoint resumes at (its ``step=N.ckpt`` name)."""
+    match = re.fullmatch(r"step=(\d+)\.ckpt", Path(path).name)
+    if match is None:
+        raise ValueError(f"{path!r} is not a durable checkpoint name (step=N.ckpt)")
+    return int(match.group(1))
+
+
+def agree_on_durable(saved: Sequence[str], failed_step: int) -> str | None:
+    """The newest durable checkpoint before ``failed_step`` that every rank wrote
+    (collective when a process group is up); ``None`` when there is none."""
+    mine = {durable_step(p): p for p in saved if durable_step(p) <= failed_step}
+    steps = set(mine)
+    if dist.is_available() and dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(steps))
+        for theirs in everyone:
+            steps &= set(theirs)
+    return mine[max(steps)] if steps else None
+
+
+def recover_from_durable(trainer: Any, engine: TrainingEngine, saved: Sequence[str],
+                         batch: Callable[[int], Batch], failed_step: int,
+                         cause: Exception) -> RecoveryReport:
+    """Load the agreed durable checkpoint through ``trainer``'s strategy and replay to
+    ``failed_step``; raises :class:`NoUsableCheckpointError` (chained to ``cause``) when
+    there is no durable checkpoint to fall back to."""
+    started = time.perf_counter()
+    path = agree_on_durable(saved, failed_step) if trainer is not None else None
+    if path is None:
+        raise NoUsableCheckpointError(
+            f"recovery from the failure at step {failed_step} found no usable checkpoint "
+            f"window ({cause}) and no durable checkpoint to fall back to (set "
+            "checkpoint.durable_every and checkpoint.durable_dir, Trainer API)") from cause
+    strategy = trainer.strategy
+    teardown = getattr(strategy.checkpoint_io, "teardown", None)
+    if teardown is not None:  # asynchronous writes finish first
+        teardown()
+    checkpoint = strategy.load_checkpoint(path)
+    strategy.load_model_state_dict(checkpoint)
+    strategy.load_optimizer_state_dict(checkpoint)
+    for config, state in zip(trainer.lr_scheduler_configs, checkpoint["lr_schedulers"],
+                             strict=True):
+        config.scheduler.load_state_dict(state)
+    start = int(checkpoint["global_step"])
+    report = RecoveryReport(start, 0, failed_step)
+    report.phases_s["fetch"] = time.perf_counter() - started
+    engine.registry.set_frozen(engine.registry.names, frozen=False)
+    _set_step(engine, start)
+    hooks, engine.hooks = engine.hooks, []  # replay re-takes no snapshots
+    replaying = time.perf_counter()
+    try:
+        for step in range(start, failed_step):
+            engine.train_iteration(*batch(step))
+            report.replayed += 1
+    finally:
+        engine.hooks = hooks
+    report.phases_s["replay"] = time.perf_counter() - replaying
+    return report

@@ -1,0 +1,97 @@
+"""Failure-injection workloads run inside the gloo worker processes of the recovery tests.
+
+Every scenario trains through :class:`FailureInjector` exactly as the recipes do (moevement
+snapshots replicated to 2 peers, upstream logging on or off) and is compared on rank 0
+with a fault-free run of the same world, so one spawned world serves a whole list of
+scenarios: a golden run plus each failure pattern.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
+from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
+from lightning_moe_ckpt.parallel.engine import build_parallel_engine
+from lightning_moe_ckpt.parallel.topology import Coordinates
+from lightning_moe_ckpt.recovery.faults import AtSchedule
+from lightning_moe_ckpt.training.data import build_data
+from lightning_moe_ckpt.training.settings import RunSettings
+from tests.distributed.workloads import distributed_run
+
+
+def injected_run(settings: RunSettings, window: int, events: list[dict[str, Any]],
+                 upstream_logging: bool = True) -> dict[str, Any]:
+    """Train ``settings.max_steps`` with the failures ``events`` injected; returns the
+    consolidated state (rank 0), the losses and, gathered, every rank's facts."""
+    plan = settings.layout
+    mesh = init_device_mesh("cpu", (plan.pp, plan.dp, plan.ep), mesh_dim_names=("pp", "dp", "ep"))
+    coords = Coordinates(*mesh.get_coordinate())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checkpointing = SparseCheckpointing("moevement", replicas=2, window=window,
+                                        upstream_logging=upstream_logging)
+    hooks = [] if checkpointing.upstream_log is None else [checkpointing.upstream_log]
+    engine = build_parallel_engine(settings, mesh, torch.device("cpu"), hooks)
+    sampler = build_data(settings).train
+    shard = coords.dp * plan.ep + coords.ep
+    coordinator = checkpointing.attach(engine, rank=rank, world_size=world)
+    injector = FailureInjector(AtSchedule(events, world_size=world), checkpointing)
+    injector.attach(engine, lambda t: sampler.iteration(t, shard), rank, world)
+    destroyed: list[bool] = []  # per destruction: every parameter became garbage
+    destroy = injector._destroy
+
+    def destroy_and_check() -> None:
+        destroy()
+        destroyed.append(all(bool(torch.isnan(p).all()) for p in engine.model.parameters()))
+
+    injector._destroy = destroy_and_check  # type: ignore[method-assign]
+    calls = getattr(engine.executor, "forward_backward_calls", 0)
+    losses = [float(engine.train_iteration(*sampler.iteration(t, shard)).loss)
+              for t in range(settings.max_steps)]
+    checkpointing.close()
+    state = gather_consolidated_state(engine, coords, settings.max_steps)
+    facts = {"destroyed": destroyed, "recoveries": injector.recoveries,
+             "failures": injector.counter.total,
+             "paused_calls": getattr(coordinator, "paused_forward_backward", None),
+             "calls": getattr(engine.executor, "forward_backward_calls", 0) - calls}
+    everything: list[Any] = [None] * world
+    dist.all_gather_object(everything, facts)
+    return {"state": state, "losses": losses, "ranks": everything}
+
+
+def state_mismatches(golden: dict[str, Any], state: dict[str, Any]) -> list[str]:
+    """Entries of a consolidated state that are not bitwise equal to the golden one."""
+    problems = [] if state["step"] == golden["step"] else ["step"]
+    for section in ("model", "compute"):
+        for name, tensor in golden[section].items():
+            if not torch.equal(state[section][name], tensor):
+                problems.append(f"{section}:{name}")
+    for name, entries in golden["optimizer"].items():
+        for key, tensor in entries.items():
+            if not torch.equal(state["optimizer"][name][key], tensor):
+                problems.append(f"optimizer:{name}:{key}")
+    return problems
+
+
+def scenario_matrix(settings: RunSettings, window: int,
+                    scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The fault-free run, then every scenario (``{"events": [...], "upstream_logging":
+    bool}``); rank 0 returns per scenario the mismatches of the final state, the losses
+    from the first failure on, and every rank's facts."""
+    golden_state, golden_losses = distributed_run(settings)
+    results: dict[str, Any] = {}
+    for name, scenario in scenarios.items():
+        run = injected_run(settings, window, scenario["events"],
+                           scenario.get("upstream_logging", True))
+        first = min(event["step"] for event in scenario["events"])
+        results[name] = {
+            "ranks": run["ranks"],
+            "state_mismatches": None if golden_state is None
+            else state_mismatches(golden_state, run["state"]),
+            "losses_after": run["losses"][first:], "golden_after": golden_losses[first:],
+        }
+    return results

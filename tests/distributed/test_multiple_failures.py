@@ -1,0 +1,72 @@
+"""Several failures at once, failures during a recovery, and recovery without upstream
+logging (gloo, 4 processes, pp=4): the result is bitwise the fault-free run's every time.
+
+* two failures in non-adjacent stages recover as two scopes, concurrently, each fed by
+  its healthy neighbours' logs; two in adjacent stages recover jointly (boundary tensors
+  between them flow by P2P, the outer ones come from the logs);
+* a failure during an ongoing recovery (phase ``recovery``) in a stage adjacent to the
+  scope stops it, widens it and restarts it from the window; one in a distant stage
+  opens a second scope while the first finishes;
+* with ``checkpoint.upstream_logging=false`` every rank rolls back and replays, also
+  through a cascade.
+
+Ranks outside every scope run no forward/backward during recovery (counted); with logging
+off all of them do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.distributed.harness import run_distributed
+from tests.distributed.recovery_workloads import scenario_matrix
+from tests.distributed.workloads import make_settings
+
+pytestmark = pytest.mark.distributed
+
+WINDOW, STEPS, PP = 3, 11, 4
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "non_adjacent": {"events": [{"step": 7, "rank": 0}, {"step": 7, "rank": 2}],
+                     "scope": [0, 2], "rounds": 1},
+    "adjacent": {"events": [{"step": 7, "rank": 1}, {"step": 7, "rank": 2}],
+                 "scope": [1, 2], "rounds": 1},
+    "cascade_widens_scope": {
+        "events": [{"step": 8, "rank": 1}, {"step": 8, "rank": 2, "phase": "recovery"}],
+        "scope": [1, 2], "rounds": 2},
+    "cascade_opens_scope": {
+        "events": [{"step": 8, "rank": 0}, {"step": 8, "rank": 3, "phase": "recovery"}],
+        "scope": [0, 3], "rounds": 1},
+    "global": {"events": [{"step": 7, "rank": 2}], "upstream_logging": False,
+               "scope": [0, 1, 2, 3], "rounds": 1},
+    "global_cascade": {
+        "events": [{"step": 8, "rank": 1}, {"step": 8, "rank": 3, "phase": "recovery"}],
+        "upstream_logging": False, "scope": [0, 1, 2, 3], "rounds": 2},
+}
+
+
+def test_multiple_and_cascading_failures_are_bitwise() -> None:
+    settings = make_settings(PP, 1, 1, steps=STEPS)
+    results = run_distributed(PP, scenario_matrix, settings, WINDOW, SCENARIOS)
+    for name, scenario in SCENARIOS.items():
+        result = results[name]
+        failed = {event["rank"] for event in scenario["events"]}
+        cascading = sorted(e["rank"] for e in scenario["events"] if e.get("phase") == "recovery")
+        for rank, facts in enumerate(result["ranks"]):
+            assert facts["failures"] == len(scenario["events"]), (name, rank)
+            assert facts["destroyed"] == ([True] if rank in failed else []), (name, rank)
+            (recovery,) = facts["recoveries"]
+            assert recovery["ranks_rolled_back"] == scenario["scope"], (name, rank)
+            assert recovery["cascading_ranks"] == cascading, (name, rank)
+            assert recovery["window_start"] == 3, (name, rank)
+            replayed = facts["calls"] - STEPS  # forward/backward beyond the training steps
+            if rank in scenario["scope"]:
+                assert replayed > 0, (name, rank)
+            else:  # paused: not a single forward or backward during the recovery
+                assert replayed == 0 and facts["paused_calls"] == 0, (name, rank)
+        rounds = {facts["recoveries"][0]["recovery_rounds"] for facts in result["ranks"]}
+        assert rounds == {scenario["rounds"]}, name
+        assert result["state_mismatches"] == [], name
+        assert result["losses_after"] == result["golden_after"], name

@@ -1,0 +1,79 @@
+"""Golden-run equivalence of recovery (gloo, multi-process, CPU): every layout and precision,
+a failure inside the first window, mid-window, right after a window persists and during a
+snapshot copy; the final state and every loss from the failure on are bitwise equal
+(``torch.equal`` / ``==``) to the run without the failure, and the failure fired.
+
+Each (layout, precision) spawns one world that runs the fault-free reference and then the
+four failure scenarios through :class:`FailureInjector`, with moevement windows of W=3
+(windows start at steps 0, 3, 6, 9; the initial state is window -1). Upstream logging is
+on, so pipelined layouts recover by localized rollback and the others globally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.distributed.harness import run_distributed
+from tests.distributed.recovery_workloads import scenario_matrix
+from tests.distributed.workloads import make_settings
+
+pytestmark = pytest.mark.distributed
+
+WINDOW, STEPS = 3, 11
+
+LAYOUTS = [(1, 1, 2), (2, 1, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+
+
+def timing_scenarios(layout: tuple[int, int, int]) -> dict[str, dict[str, Any]]:
+    """The four failure timings, on different ranks, with the window each must recover
+    from. During the copy of SS_8, the last snapshot of window 6, the failed rank's window
+    6 becomes unusable and the ranks fall back to window 3, whose copies the replica peers
+    still hold. With two ranks rolling back globally, the survivor's only replica peer is
+    the failed rank, so nothing would hold its window 3 (a test below covers that error):
+    there the copy of SS_7 dies, in the middle of window 6."""
+    world = layout[0] * layout[1] * layout[2]
+    last = world - 1
+    copy_step = 8 if world == 2 and layout[0] == 1 else 9
+    return {
+        "first_window": {"events": [{"step": 2, "rank": 0}], "window_start": -1},
+        "mid_window": {"events": [{"step": 7, "rank": last}], "window_start": 3},
+        "after_persist": {"events": [{"step": 9, "rank": 1 % world}], "window_start": 6},
+        "during_copy": {"events": [{"step": copy_step, "rank": last,
+                                    "phase": "snapshot_copy"}], "window_start": 3},
+    }
+
+
+def check_scenario(name: str, result: dict[str, Any], scenario: dict[str, Any],
+                   layout: tuple[int, int, int]) -> None:
+    """Bitwise equality with the golden run, the failure fired, the expected window, and
+    with localized rollback no forward/backward outside the scope."""
+    failed = {event["rank"] for event in scenario["events"]}
+    group = layout[1] * layout[2]  # ranks per pipeline stage
+    for rank, facts in enumerate(result["ranks"]):
+        assert facts["failures"] == len(scenario["events"]), (name, rank)
+        assert facts["destroyed"] == ([True] if rank in failed else []), (name, rank)
+        (recovery,) = facts["recoveries"]
+        assert recovery["window_start"] == scenario["window_start"], (name, rank)
+        if layout[0] > 1:  # localized: only the failed stages' ranks rolled back
+            scope = sorted(r for r in range(layout[0] * group)
+                           if r // group in {f // group for f in failed})
+            assert recovery["ranks_rolled_back"] == scope, (name, rank)
+            if rank not in scope:
+                assert facts["paused_calls"] == 0, (name, rank)
+    assert result["state_mismatches"] == [], name
+    assert result["losses_after"] == result["golden_after"], name
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-master"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "x".join(map(str, layout)))
+def test_recovery_is_bitwise_for_every_failure_timing(layout: tuple[int, int, int],
+                                                      precision: str) -> None:
+    settings = make_settings(*layout, precision=precision, steps=STEPS)
+    world = settings.layout.world_size
+    scenarios = timing_scenarios(layout)
+    results = run_distributed(world, scenario_matrix, settings, WINDOW, scenarios)
+    assert set(results) == set(scenarios)
+    for name, scenario in scenarios.items():
+        check_scenario(name, results[name], scenario, layout)
