@@ -95,3 +95,15 @@ def scenario_matrix(settings: RunSettings, window: int,
             "losses_after": run["losses"][first:], "golden_after": golden_losses[first:],
         }
     return results
+
+
+def recovery_error(settings: RunSettings, window: int, events: list[dict[str, Any]]) -> str:
+    """Run :func:`injected_run` where recovery must fail; returns the error it raised
+    (every rank raises alike)."""
+    from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
+
+    try:
+        injected_run(settings, window, events)
+    except NoUsableCheckpointError as error:
+        return f"{error} (cause: {error.__cause__})"
+    raise AssertionError("recovery succeeded although no checkpoint was usable")

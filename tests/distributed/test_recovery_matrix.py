@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.distributed.harness import run_distributed
-from tests.distributed.recovery_workloads import scenario_matrix
+from tests.distributed.recovery_workloads import recovery_error, scenario_matrix
 from tests.distributed.workloads import make_settings
 
 pytestmark = pytest.mark.distributed
@@ -77,3 +77,17 @@ def test_recovery_is_bitwise_for_every_failure_timing(layout: tuple[int, int, in
     assert set(results) == set(scenarios)
     for name, scenario in scenarios.items():
         check_scenario(name, results[name], scenario, layout)
+
+
+def test_no_usable_window_stops_naming_what_is_missing() -> None:
+    """Two ranks, global rollback: the copy of SS_8 (completing window 6) dies on rank 1,
+    and the survivor's window 3 was only replicated to rank 1. Nothing usable remains and
+    no durable checkpoint exists: the run stops, naming each window and piece."""
+    settings = make_settings(1, 1, 2, steps=STEPS)
+    events = [{"step": 9, "rank": 1, "phase": "snapshot_copy"}]
+    message = run_distributed(2, recovery_error, settings, WINDOW, events)
+    assert "no usable checkpoint window" in message
+    assert "window starting at 6" in message and "rank 1, operator" in message
+    assert "iteration 8 fails its checksum" in message
+    assert "window starting at 3" in message and "no live replica peer" in message
+    assert "checkpoint.durable_every" in message
