@@ -42,6 +42,9 @@ from lightning_moe_ckpt.recovery.scope import recovery_scopes
 from lightning_moe_ckpt.training.engine import TrainingEngine
 
 BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+# Recovery phases in the order they happen ("convert_load": loading the window's first
+# snapshot; "convert": replaying the window with frozen operators).
+PHASE_ORDER = ("detect", "fetch", "convert_load", "convert", "replay", "resume", "total")
 
 
 class FailureInjector(L.Callback):
@@ -117,8 +120,10 @@ class FailureInjector(L.Callback):
             report.phases_s["resume"] = time.perf_counter() - resuming
             rolled_back = list(range(self.world_size))
         summary = self._agree_on_summary(report)
-        summary["timings_s"]["detect"] = recovering - detected
-        summary["timings_s"]["total"] = time.perf_counter() - detected
+        timings = {"detect": recovering - detected, **summary["timings_s"],
+                   "total": time.perf_counter() - detected}
+        order = [*PHASE_ORDER[:-1], *sorted(set(timings) - set(PHASE_ORDER)), "total"]
+        summary["timings_s"] = {phase: timings[phase] for phase in order if phase in timings}
         self.recoveries.append({
             "failed_step": step, "failed_ranks": sorted({e.rank for e in events}),
             "cascading_ranks": [] if cascade is None else list(cascade.ranks),

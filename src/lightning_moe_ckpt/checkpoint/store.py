@@ -101,6 +101,14 @@ class SnapshotStore:
         """Release a snapshot of a superseded window (subclasses may keep parts of it)."""
         self.pool.release(snapshot)
 
+    def discard_all(self) -> None:
+        """Drop every window (a failed worker's host memory, or windows a recovery
+        superseded); their buffers go back to the pool."""
+        for start in list(self.windows):
+            for snapshot in self.windows.pop(start).snapshots.values():
+                self.pool.release(snapshot)
+        self.persisted_start = None
+
     def persisted(self) -> WindowRecord | None:
         """The newest persisted window, if any."""
         return None if self.persisted_start is None else self.windows[self.persisted_start]

@@ -61,14 +61,6 @@ def recover_baseline(coordinator: Any, batch: BatchFn, failed_step: int,
     return global_rollback(coordinator, batch, failed_step, failed_ranks)
 
 
-def _discard_windows(coordinator: Any) -> None:
-    store = coordinator.store
-    for start in list(store.windows):
-        for snapshot in store.windows.pop(start).snapshots.values():
-            coordinator.pool.release(snapshot)
-    store.persisted_start = None
-
-
 def disk_rollback(coordinator: Any, batch: BatchFn, failed_step: int,
                   failed_ranks: Iterable[int]) -> RecoveryReport:
     """CheckFreq: every rank rolls back to the newest dense snapshot all of them persisted
@@ -82,7 +74,7 @@ def disk_rollback(coordinator: Any, batch: BatchFn, failed_step: int,
     coordinator._drain_acks()
     coordinator.store.refresh()
     if rank in failed:  # host memory gone; the disk survives
-        _discard_windows(coordinator)
+        coordinator.store.discard_all()
         steps = persister.persisted_steps()
     else:
         steps = sorted(start for start, record in coordinator.store.windows.items()

@@ -38,13 +38,6 @@ from lightning_moe_ckpt.recovery.replay import (
 )
 
 
-def _discard_all(coordinator: Any) -> None:
-    for start in list(coordinator.store.windows):
-        for snapshot in coordinator.store.windows.pop(start).snapshots.values():
-            coordinator.pool.release(snapshot)
-    coordinator.store.persisted_start = None
-
-
 def agree_on_window(coordinator: Any, failed: tuple[int, ...],
                     wants_window: bool) -> tuple[int, list[SnapshotView] | None]:
     """Collective prologue of every recovery: drain copies and replication, drop what the
@@ -66,7 +59,7 @@ def agree_on_window(coordinator: Any, failed: tuple[int, ...],
     coordinator._drain_acks()
     coordinator.store.refresh()
     if rank in failed:  # a dead worker's host memory is gone: snapshots and held replicas
-        _discard_all(coordinator)
+        coordinator.store.discard_all()
         if replicator is not None:
             replicator.replicas.windows.clear()
     starts: list[Any] = [None] * dist.get_world_size()
@@ -126,7 +119,7 @@ def _previous_window(coordinator: Any, start: int) -> int | None:
 def restart_windows(coordinator: Any, failed_step: int) -> None:
     """After a recovery: old windows are superseded, the planner starts a new window at
     ``failed_step``, and a dense base snapshot is the recovery point until it persists."""
-    _discard_all(coordinator)
+    coordinator.store.discard_all()
     coordinator.planner.on_recovery(failed_step)
     coordinator.take_base_snapshot()
 

@@ -108,18 +108,10 @@ def _drain(coordinator: Any, forget: bool) -> None:
     coordinator._drain_acks()
     store.refresh()
     if forget:  # a dead worker's host memory: snapshots, retained saves, held replicas
-        _forget_windows(coordinator)
+        coordinator.store.discard_all()
         store.clear_saves()
         if replicas is not None:
             replicas.clear()
-
-
-def _forget_windows(coordinator: Any) -> None:
-    store = coordinator.store
-    for start in list(store.windows):
-        for snapshot in store.windows.pop(start).snapshots.values():
-            coordinator.pool.release(snapshot)
-    store.persisted_start = None
 
 
 def _persisted_steps(store: RetainingSnapshotStore) -> list[int]:
