@@ -1,17 +1,33 @@
-"""Benchmark checkpoint policies side by side: ``python recipes/bench.py [--quick] [overrides]``.
+"""Benchmark checkpoint policies side by side: ``python recipes/bench.py [--quick] [options]
+[overrides]``.
 
-Runs ``recipes/train.py`` once per policy on the same model, layout and data (each run in
-its own process(es), one after another), then reports per policy: median iteration time
-and its ratio to ``checkpoint=none``, checkpoint stall, snapshot bytes per iteration and
-host memory held by snapshots and replicas. Writes ``bench.md`` (markdown table),
-``bench.png`` and ``bench.json`` to ``--out``. Extra arguments are passed to every run as
-Hydra overrides, e.g. ``parallel.pp=2 parallel.ep=2 model=small``.
+1. **Overhead.** Runs ``recipes/train.py`` once per policy of ``--policies`` plus
+   ``checkpoint=none`` (each in its own process(es), one after another, no failures) on the
+   same model, layout and data, and reports per policy: median iteration time and its
+   ratio to ``none``, checkpoint stall, snapshot bytes per iteration, W, and host memory
+   held by snapshots and replicas.
+2. **Measured ETTR.** Runs every policy of ``--ettr-policies`` again over the same steps
+   with ``faults=mtbf faults.mtbf_steps=--mtbf-steps`` and one failure seed for all
+   (``--fault-seed``, default ``trainer.seed``), so every policy faces the same failures,
+   and reports its measured ETTR against the ``none`` run next to what the ETTR simulator
+   predicts for it, and the gap (definitions: :mod:`lightning_moe_ckpt.sim.measured`).
+   The simulator is calibrated with this job's profile: per-stage forward/backward and
+   optimizer times and the host-copy bandwidth, measured in this process
+   (:mod:`lightning_moe_ckpt.training.stage_profile`), and the ``none`` run's useful time
+   per step. The profile is written as ``profile.json`` in the format ``sim.profile``
+   reads, and the ``recipes/simulate.py`` command that uses it is printed.
+
+Writes ``bench.md``, ``bench.json``, ``bench.png`` and ``profile.json`` to ``--out``.
+Extra arguments are Hydra overrides for every run (``parallel.pp=2 model=small``); one
+prefixed with a policy name and a colon goes to that policy's runs only
+(``gemini:checkpoint.interval=5``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,25 +37,92 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import numpy as np
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from lightning_moe_ckpt.benchmark import (
+    ettr_markdown,
+    ettr_row,
+    measure_profile,
+    simulate_command,
+)
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.recovery.faults import MtbfSchedule, schedule_from_config
+from lightning_moe_ckpt.sim.measured import loop_seconds, useful_seconds
+from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("none", "moevement", "gemini", "checkfreq", "moc", "moetion")
+ETTR_POLICIES = ("moevement", "gemini", "moc")
 
 
-def run_policy(policy: str, out: Path, steps: int, overrides: list[str]) -> dict[str, Any]:
-    """Train with ``checkpoint=policy``; returns its metrics."""
+def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Overrides for every run, and ``policy:checkpoint.<key>=<value>`` ones per policy (only
+    the policy's own options: anything else would make its runs a different job than the
+    ``none`` baseline)."""
+    common: list[str] = []
+    per_policy: dict[str, list[str]] = {}
+    for override in overrides:
+        head, sep, rest = override.partition(":")
+        if sep and "=" not in head and "." not in head and "/" not in head:
+            if head not in POLICIES:
+                raise ConfigError(f"override {override!r} names policy {head!r}; choose one "
+                                  f"of {', '.join(POLICIES)}")
+            if not rest.lstrip("+~").startswith("checkpoint."):
+                raise ConfigError(f"override {override!r}: a per-policy override may only set "
+                                  "checkpoint.* options; give the others to every run")
+            per_policy.setdefault(head, []).append(rest)
+        else:
+            common.append(override)
+    return common, per_policy
+
+
+def run_policy(policy: str, out: Path, steps: int, overrides: list[str],
+               threads: int | None = None) -> dict[str, Any]:
+    """Train with ``checkpoint=policy`` (``threads`` torch threads per process, default
+    torch's); returns its metrics."""
     command = [sys.executable, str(REPO / "recipes" / "train.py"), f"checkpoint={policy}",
                f"out_dir={out}", f"trainer.max_steps={steps}", f"trainer.val_every={steps}",
                "trainer.progress_bar=false", "api=fabric", *overrides]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"checkpoint={policy} failed:\n{result.stderr[-3000:]}")
     metrics: dict[str, Any] = json.loads((out / "metrics.json").read_text())
     return metrics
 
 
+def compose_train(policy: str, steps: int, overrides: list[str]) -> DictConfig:
+    """The composed ``conf/train.yaml`` of a run, in this process (nothing is launched)."""
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose("train", overrides=[f"checkpoint={policy}", "out_dir=outputs/bench",
+                                           f"trainer.max_steps={steps}", *overrides])
+
+
+def fault_overrides(mtbf_steps: float, seed: int | None) -> list[str]:
+    """The failure schedule every policy's ETTR run gets."""
+    extra = [] if seed is None else [f"faults.seed={seed}"]
+    return ["faults=mtbf", f"faults.mtbf_steps={mtbf_steps}", *extra]
+
+
+def planned_failures(settings: RunSettings) -> list[int]:
+    """Steps of the run's failure schedule; refuses a run no failure reaches."""
+    schedule = schedule_from_config(settings.faults, world_size=settings.layout.world_size,
+                                    max_steps=settings.max_steps, seed=settings.seed)
+    assert isinstance(schedule, MtbfSchedule)
+    steps = sorted({event.step for event in schedule.events})
+    if not steps:
+        raise ConfigError(f"--mtbf-steps={schedule.mtbf_steps:g} puts no failure within "
+                          f"--steps={settings.max_steps} for this seed: lower --mtbf-steps, "
+                          "raise --steps or change --fault-seed")
+    return steps
+
+
 def summarise(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per policy, ratios against ``none``."""
+    """One row per fault-free policy run, ratios against ``none``."""
     baseline = results["none"]["iteration_ms"]["median"]
     rows = []
     for policy, metrics in results.items():
@@ -58,57 +141,146 @@ def summarise(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], command: str) -> str:
-    """The table README quotes, with the command that produced it."""
-    lines = [f"`{command}`", "",
-             "| policy | iteration ms (median) | vs none | stall ms (total) | overhead % "
-             "| snapshot MiB/iter | W | host MiB |",
-             "|---|---|---|---|---|---|---|---|"]
+def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The fault-free overhead table."""
+    lines = ["| policy | iteration ms (median) | vs none | stall ms (total) | overhead % "
+             "| snapshot MiB/iter | W | host MiB |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['policy']} | {row['iteration_ms']:.1f} | {row['vs_none']:.3f} "
                      f"| {row['stall_ms_total']:.1f} | {row['overhead_pct']:.2f} "
                      f"| {row['snapshot_mb_per_iter']:.2f} | {row['window'] or '-'} "
                      f"| {row['host_mb']:.1f} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Iteration-time ratio and snapshot bytes per policy."""
-    names = [row["policy"] for row in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.bar(names, [row["vs_none"] for row in rows], color="tab:blue")
+def plot(rows: list[dict[str, Any]], ettr_rows: list[dict[str, Any]], path: Path) -> None:
+    """Iteration-time ratio per policy and, with failures, measured vs predicted ETTR."""
+    fig, axes = plt.subplots(1, 2 if ettr_rows else 1, figsize=(11 if ettr_rows else 6, 4),
+                             squeeze=False)
+    left = axes[0][0]
+    left.bar([r["policy"] for r in rows], [r["vs_none"] for r in rows], color="tab:blue")
     left.axhline(1.0, color="black", linewidth=0.8)
-    left.set_ylabel("median iteration time / none")
-    right.bar(names, [row["snapshot_mb_per_iter"] for row in rows], color="tab:orange")
-    right.set_ylabel("snapshot MiB per iteration")
-    for axis in (left, right):
-        axis.tick_params(axis="x", rotation=30)
+    left.set_ylabel("median iteration time / none (fault-free)")
+    left.tick_params(axis="x", rotation=30)
+    if ettr_rows:
+        right, x = axes[0][1], np.arange(len(ettr_rows))
+        series = (("ettr_measured", "measured"), ("ettr_same_failures", "sim, same failures"),
+                  ("ettr_analytic", "sim, analytic"))
+        for offset, (key, label) in enumerate(series):
+            right.bar(x + (offset - 1) * 0.27, [r[key] for r in ettr_rows], 0.27, label=label)
+        right.set_xticks(x, [r["policy"] for r in ettr_rows])
+        right.set_ylim(0, 1.05)
+        right.set_ylabel("ETTR with injected failures")
+        right.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main() -> None:
-    """Parse arguments, run every policy, write the report."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="CI-sized: few steps")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    """Options and Hydra overrides; bad values raise naming the option."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="CI-sized: 24 steps, MTBF 3 steps, fault-free run of none only, "
+                             "one thread per process")
+    parser.add_argument("--steps", type=int, default=None, help="steps of every run")
+    parser.add_argument("--policies", nargs="*", default=None, choices=POLICIES,
+                        help="fault-free overhead runs besides none (default: all; --quick: "
+                             "none)")
+    parser.add_argument("--ettr-policies", nargs="*", default=list(ETTR_POLICIES),
+                        choices=POLICIES[1:], help="runs with failures (none: skip)")
+    parser.add_argument("--mtbf-steps", type=float, default=None,
+                        help="mean steps between failures (default 10; --quick 3)")
+    parser.add_argument("--fault-seed", type=int, default=None,
+                        help="failure schedule seed (default: trainer.seed)")
+    parser.add_argument("--mc-runs", type=int, default=200, help="Monte-Carlo runs (>= 2)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per training process and for the profile "
+                             "(default: torch's; --quick: 1, robust on shared cores)")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench")
     args, overrides = parser.parse_known_args()
-    steps = args.steps or (12 if args.quick else 80)
-    policies = ["none", *[p for p in args.policies if p != "none"]]
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.steps = (24 if args.quick else 200) if args.steps is None else args.steps
+    if args.mtbf_steps is None:
+        args.mtbf_steps = 3.0 if args.quick else 10.0
+    if args.policies is None:
+        args.policies = [] if args.quick else list(POLICIES)
+    if args.threads is None and args.quick:
+        args.threads = 1
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads={args.threads} must be >= 1")
+    if args.steps < 1:
+        raise ConfigError(f"--steps={args.steps} must be >= 1")
+    if not args.mtbf_steps > 0:
+        raise ConfigError(f"--mtbf-steps={args.mtbf_steps} must be > 0")
+    if args.mc_runs < 2:
+        raise ConfigError(f"--mc-runs={args.mc_runs} must be >= 2")
+    return args, overrides
+
+
+def run_all(policies: list[str], out: Path, steps: int, common: list[str],
+            per_policy: dict[str, list[str]], extra: list[str], suffix: str,
+            threads: int | None) -> dict[str, dict[str, Any]]:
+    """Train each policy in turn (``extra`` overrides, ``out/<policy><suffix>``)."""
     results = {}
     for policy in policies:
-        print(f"running checkpoint={policy} ...", flush=True)
-        results[policy] = run_policy(policy, args.out / policy, steps, overrides)
+        print(f"running checkpoint={policy} {' '.join(extra)} ...", flush=True)
+        results[policy] = run_policy(policy, out / f"{policy}{suffix}", steps,
+                                     [*common, *per_policy.get(policy, []), *extra], threads)
+    return results
+
+
+def ettr_section(args: argparse.Namespace, configs: dict[str, DictConfig],
+                 baseline: dict[str, Any], faulty: dict[str, dict[str, Any]],
+                 common: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Profile the job, then the measured-vs-predicted rows and what the report adds."""
+    none_settings = settings_from_config(compose_train("none", args.steps, common))
+    hardware = str(next(iter(configs.values())).hardware.name)
+    profile_path = args.out / "profile.json"
+    print("profiling stages ...", flush=True)
+    profile = measure_profile(none_settings, hardware, useful_seconds(baseline, "none"),
+                              profile_path, args.threads)
+    rows = [ettr_row(policy, cfg, faulty[policy], baseline, profile, args.mtbf_steps,
+                     args.mc_runs) for policy, cfg in configs.items()]
+    first = next(iter(configs))
+    shown = profile_path.resolve()  # as a path from the repository root when inside it
+    shown = shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown
+    simulate = simulate_command(none_settings, hardware, shown, rows[0]["mtbf_s"],
+                                loop_seconds(faulty[first], first))
+    return rows, {"mtbf_steps": args.mtbf_steps, "profile": str(profile_path),
+                  "simulate_command": simulate}
+
+
+def main() -> None:
+    """Run the fault-free and the failure sweeps, write the report."""
+    args, overrides = parse_args()
+    common, per_policy = split_overrides(overrides)
+    faults = fault_overrides(args.mtbf_steps, args.fault_seed)
+    configs = {p: compose_train(p, args.steps, [*common, *per_policy.get(p, []), *faults])
+               for p in args.ettr_policies}  # composed first: bad overrides fail before runs
+    schedules = {p: planned_failures(settings_from_config(c)) for p, c in configs.items()}
+    if configs:
+        print(f"failures before steps {next(iter(schedules.values()))}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run_all(["none", *[p for p in args.policies if p != "none"]], args.out,
+                      args.steps, common, per_policy, [], "", args.threads)
+    faulty = run_all(list(configs), args.out, args.steps, common, per_policy, faults, "-mtbf",
+                     args.threads)
     rows = summarise(results)
     command = " ".join(["python recipes/bench.py", *sys.argv[1:]])
-    table = markdown(rows, command)
+    lines = [f"`{command}`", "", "Fault-free:", "", *overhead_markdown(rows)]
+    report: dict[str, Any] = {"command": command, "steps": args.steps, "overhead": rows}
+    ettr_rows: list[dict[str, Any]] = []
+    if configs:
+        ettr_rows, extra = ettr_section(args, configs, results["none"], faulty, common)
+        lines += ["", f"With failures (faults=mtbf, MTBF {args.mtbf_steps:g} steps, the same "
+                      "schedule for every policy; ETTR vs the fault-free none run):", "",
+                  *ettr_markdown(ettr_rows), "",
+                  f"Simulator calibrated by this run: `{extra['simulate_command']}`"]
+        report.update({**extra, "ettr": ettr_rows})
+    table = "\n".join(lines) + "\n"
     (args.out / "bench.md").write_text(table)
-    (args.out / "bench.json").write_text(json.dumps(rows, indent=2))
-    plot(rows, args.out / "bench.png")
+    (args.out / "bench.json").write_text(json.dumps(report, indent=2))
+    plot(rows, ettr_rows, args.out / "bench.png")
     print(table)
 
 

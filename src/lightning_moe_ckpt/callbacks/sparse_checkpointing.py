@@ -175,7 +175,12 @@ class SparseCheckpointing(L.Callback):
         if self.coordinator is None:
             return {}
         figures = self.coordinator.metrics(train_seconds)
-        figures["reorders"] = getattr(self.coordinator.planner, "reorders", 0)
+        planner = self.coordinator.planner
+        figures["reorders"] = getattr(planner, "reorders", 0)
+        # Dense policies' checkpoint interval and partial policies' experts per layer (K),
+        # as in force at the end: what the simulator is calibrated with (recipes/bench.py).
+        figures["interval"] = getattr(planner, "interval", None)
+        figures["experts_per_layer"] = getattr(planner, "experts_per_layer", None)
         figures["profile"] = getattr(self.coordinator, "profile", None)
         figures["durable_checkpoints"] = list(self.durable_saved)
         figures["upstream_log_bytes_peak"] = self._upstream_log_peak

@@ -17,7 +17,7 @@ import math
 from lightning_moe_ckpt.sim.job import SimJob
 from lightning_moe_ckpt.sim.recovery import localized_replay
 from lightning_moe_ckpt.sim.regime import Regime, StaticPolicy
-from lightning_moe_ckpt.sim.schedule import SparseSchedule, find_window
+from lightning_moe_ckpt.sim.schedule import SparseSchedule, find_window, fixed_window
 
 
 def snapshot_budget_bytes(job: SimJob, upstream_log: bool = True) -> float:
@@ -39,15 +39,18 @@ def snapshot_stall_s(job: SimJob, nbytes: float, upstream_log: bool = True) -> f
     return max(0.0, to_host, to_peers)
 
 
-def stage_schedules(job: SimJob) -> tuple[SparseSchedule, ...]:
-    """One schedule per pipeline stage (each stage checkpoints its own operators)."""
+def stage_schedules(job: SimJob, window: int | None = None) -> tuple[SparseSchedule, ...]:
+    """One schedule per pipeline stage (each stage checkpoints its own operators), sized by
+    Algorithm 1 or, given ``window``, with that many snapshots per window."""
+    if window is not None:
+        return tuple(fixed_window(stage.operators, stage.ranks, window) for stage in job.stages)
     budget = snapshot_budget_bytes(job)
     return tuple(find_window(stage.operators, stage.ranks, budget) for stage in job.stages)
 
 
-def plan_moevement(job: SimJob) -> StaticPolicy:
-    """MoEvement's regime for ``job``."""
-    schedules = stage_schedules(job)
+def plan_moevement(job: SimJob, window: int | None = None) -> StaticPolicy:
+    """MoEvement's regime for ``job``; ``window`` forces W (e.g. the W a real run chose)."""
+    schedules = stage_schedules(job, window)
     conversion, full, fetch = [], [], []
     for stage, schedule in zip(job.stages, schedules, strict=True):
         conversion.append(sum(job.timing.replay_iteration_s(stage, schedule.frozen_after(j))

@@ -29,7 +29,8 @@ in ``conf/hardware``)::
 Stage times include the expert all-to-all (the profiler measures the stage as it runs).
 The split of a stage's backward into input- and weight-gradient work (which sets the
 frozen-operator replay cost) keeps the model's FLOP ratio: a measured stage scales the
-modelled one by ``(forward_s + backward_s) / modelled time``.
+modelled one by ``(forward_s + backward_s) / modelled time``. :func:`profile_document`
+and :func:`write_profile` produce such a file (validated by the same parser that reads it).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,3 +167,33 @@ def load_profile(path: str | Path, key: str = "sim.profile") -> MeasuredProfile:
     except json.JSONDecodeError as error:
         raise ConfigError(f"{key}={str(path)!r} is not valid JSON: {error}") from None
     return parse_profile(data, str(path), key)
+
+
+def profile_document(stages: Sequence[tuple[float, float]], *, model: str | None = None,
+                     pp: int | None = None, microbatches: int | None = None,
+                     iteration_s: float | None = None, optimizer_s: float | None = None,
+                     grad_sync_s: float | None = None,
+                     bandwidth_gbps: Mapping[str, float] | None = None,
+                     hardware: str | None = None,
+                     source: str = "recipes/bench.py") -> dict[str, Any]:
+    """A version-1 profile document from measured ``(forward_s, backward_s)`` per stage;
+    optional figures left ``None`` are omitted. Raises :class:`ConfigError` for anything the
+    parser would reject."""
+    document: dict[str, Any] = {
+        "schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, "source": source,
+        "stages": [{"forward_s": float(f), "backward_s": float(b)} for f, b in stages]}
+    optional = {"hardware": hardware, "model": model, "pp": pp, "microbatches": microbatches,
+                "iteration_s": iteration_s, "optimizer_s": optimizer_s,
+                "grad_sync_s": grad_sync_s}
+    document.update({key: value for key, value in optional.items() if value is not None})
+    if bandwidth_gbps:
+        document["bandwidth_gbps"] = {k: float(v) for k, v in bandwidth_gbps.items()}
+    parse_profile(document, "<new profile>", "profile")
+    return document
+
+
+def write_profile(path: str | Path, document: Mapping[str, Any]) -> MeasuredProfile:
+    """Validate ``document`` and write it as JSON to ``path``; returns it parsed."""
+    parsed = parse_profile(dict(document), str(path), "profile")
+    Path(path).write_text(json.dumps(document, indent=2) + "\n")
+    return parsed

@@ -8,6 +8,8 @@ compute weights of every later slice (not yet captured). ``FindWindowSize`` pick
 largest slice (smallest window ``W``) whose largest snapshot still moves within the
 per-iteration byte budget; with real, unequal operator sizes the first snapshot, which
 carries every later slice's compute weights, is usually the binding one.
+:func:`fixed_window` builds the schedule of a given ``W`` instead (a window measured on a
+real run, for the simulator's calibration).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.sim.workload import OperatorCost
 
 
@@ -75,4 +78,17 @@ def find_window(operators: Sequence[OperatorCost], ranks: int,
         if candidate.max() <= budget_bytes:
             sizes, per_snapshot = candidate, active
             break
+    return SparseSchedule(order, per_snapshot, tuple(float(s) for s in sizes))
+
+
+def fixed_window(operators: Sequence[OperatorCost], ranks: int, window: int) -> SparseSchedule:
+    """The schedule of ``ceil(operators / window)`` operators per snapshot in Algorithm 1's
+    order: ``window`` snapshots per window wherever equal slices allow (else the nearest
+    fewer), for a W forced or measured rather than sized by the byte budget."""
+    require(isinstance(window, int) and window >= 1, f"window W={window!r} must be an integer >= 1")
+    order = order_operators(operators)
+    per_snapshot = max(1, math.ceil(len(order) / window))
+    master = np.array([op.master_state_bytes for op in order]) / ranks
+    compute = np.array([op.compute_bytes for op in order]) / ranks
+    sizes = _snapshot_sizes(master, compute, per_snapshot)
     return SparseSchedule(order, per_snapshot, tuple(float(s) for s in sizes))

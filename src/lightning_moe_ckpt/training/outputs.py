@@ -47,10 +47,7 @@ def write_metrics(path: Path, settings: RunSettings, history: TrainingHistory,
     losses = history.loss_values()
     iteration_ms = [s * 1e3 for s in history.iteration_seconds]
     load = history.expert_load_total
-    productive_s = sum(history.iteration_seconds)
-    # No checkpoint stall, recovery or lost work exists yet in a failure-free run without a
-    # checkpoint policy, so every second of iteration time is productive.
-    lost_s = 0.0
+    loop_s = sum(history.iteration_seconds)
     metrics: dict[str, Any] = {
         "api": settings.api,
         "model": settings.model.name,
@@ -75,13 +72,27 @@ def write_metrics(path: Path, settings: RunSettings, history: TrainingHistory,
         "iteration_ms": {
             "mean": statistics.fmean(iteration_ms) if iteration_ms else None,
             "median": statistics.median(iteration_ms) if iteration_ms else None,
+            "per_step": iteration_ms,  # recoveries inside the iteration they interrupted
         },
         "expert_load": load.tolist() if load is not None else [],
-        "ettr": productive_s / (productive_s + lost_s) if productive_s > 0 else None,
     }
     metrics.update(extra)
+    metrics["ettr"] = loop_ettr(loop_s, metrics)
     path.write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def loop_ettr(loop_s: float, metrics: dict[str, Any]) -> float | None:
+    """The run's own ETTR: the share of its training-loop time (the sum of iteration times,
+    recoveries included since they run inside the iteration they interrupt) spent neither
+    recovering nor stalled on a checkpoint copy. It cannot see slowdowns that are not
+    stalls (a copy thread competing with compute); ``recipes/bench.py`` measures those
+    against a checkpoint-free run."""
+    if loop_s <= 0:
+        return None
+    recovery_s = sum(r["timings_s"]["total"] for r in metrics.get("recoveries", []))
+    stall_s = metrics.get("stall_ms", 0.0) / 1e3
+    return max(loop_s - recovery_s - stall_s, 0.0) / loop_s
 
 
 def plot_training(path: Path, history: TrainingHistory, title: str) -> None:

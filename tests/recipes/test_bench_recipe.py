@@ -1,0 +1,108 @@
+"""``recipes/bench.py --quick``: measured vs predicted ETTR per policy under injected
+failures, the profile it writes calibrates the simulator, and bad options fail clearly.
+Structure and sanity only: no timing assertions (the machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lightning_moe_ckpt.sim import simulate
+from lightning_moe_ckpt.sim.profile import load_profile
+from tests.conftest import CONF_DIR, REPO
+
+pytestmark = pytest.mark.slow
+
+POLICIES = ("moevement", "gemini", "moc")
+
+
+def run_bench(out: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "recipes" / "bench.py"), "--out",
+                           str(out), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("bench")
+    done = run_bench(out, "--quick", "--mc-runs", "50")
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout, json.loads((out / "bench.json").read_text()), out
+
+
+def test_quick_bench_reports_measured_and_predicted_ettr_per_policy(
+        quick: tuple[str, dict[str, Any], Path]) -> None:
+    stdout, report, out = quick
+    assert [row["policy"] for row in report["overhead"]] == ["none"]
+    rows = {row["policy"]: row for row in report["ettr"]}
+    assert tuple(rows) == POLICIES
+    schedules = {tuple(row["failure_steps"]) for row in rows.values()}
+    assert len(schedules) == 1, "every policy must face the same failures"
+    for policy, row in rows.items():
+        assert row["failures"] >= 1 and row["failure_steps"], policy
+        assert 0 < row["ettr_measured"] <= 1, (policy, row["ettr_measured"])
+        assert row["ettr_measured"] == pytest.approx(row["runtime_factor"]
+                                                     * row["recovery_factor"])
+        for key in ("ettr_same_failures", "ettr_analytic", "ettr_mc_mean"):
+            assert 0 < row[key] <= 1, (policy, key, row[key])
+        for key in ("gap_same_failures_pct", "gap_analytic_pct", "recovery_s_predicted"):
+            assert math.isfinite(row[key]), (policy, key)
+        assert row["recovery_s_measured"] > 0 and row["mtbf_s"] > 0
+    # Exact recovery: the runs with failures train exactly as the fault-free run.
+    assert rows["moevement"]["loss_exact"] and rows["gemini"]["loss_exact"]
+    # MoC continues from stale experts: finite losses, lost tokens reported beside ETTR.
+    assert rows["moc"]["loss_finite"] and rows["moc"]["lost_token_pct"] >= 0
+    assert rows["moevement"]["iterations_replayed"] >= 0
+    assert rows["gemini"]["iterations_replayed"] > 0  # interval 10: replay after a failure
+    table = (out / "bench.md").read_text()
+    assert "ETTR measured" in table and "sim, same failures (gap)" in table
+    for policy in POLICIES:
+        assert f"| {policy} |" in stdout
+    assert (out / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_quick_bench_profile_calibrates_the_simulator(
+        quick: tuple[str, dict[str, Any], Path]) -> None:
+    _, report, out = quick
+    profile = load_profile(out / "profile.json")
+    assert profile.model == "tiny" and len(profile.stages) == 1 and profile.iteration_s
+    assert report["simulate_command"].startswith("python recipes/simulate.py")
+    # The printed command's overrides, composed and run in-process.
+    overrides = [arg.strip("'") for arg in report["simulate_command"].split(" ")[2:]]
+    overrides = [*_rejoin(overrides), f"out_dir={out / 'simulate'}", "sim.monte_carlo.runs=20"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("simulate", overrides=overrides)
+    resolved: Any = OmegaConf.to_container(cfg, resolve=True)
+    simulated = simulate(resolved, CONF_DIR)
+    assert simulated.jobs[0].iteration_s == pytest.approx(profile.iteration_s)
+    assert {name for row in simulated.rows for name in row.outcomes} >= set(POLICIES)
+
+
+def _rejoin(parts: list[str]) -> list[str]:
+    """Undo the split of a quoted override containing spaces (the plan mapping)."""
+    joined: list[str] = []
+    for part in parts:
+        if joined and joined[-1].count("{") > joined[-1].count("}"):
+            joined[-1] += " " + part
+        else:
+            joined.append(part)
+    return joined
+
+
+def test_bench_refuses_bad_options_naming_them(tmp_path: Path) -> None:
+    done = run_bench(tmp_path, "--mtbf-steps", "0", timeout=120)
+    assert done.returncode != 0 and "--mtbf-steps=0.0 must be > 0" in done.stderr
+    done = run_bench(tmp_path, "--quick", "--mtbf-steps", "1000", timeout=120)
+    assert done.returncode != 0 and "puts no failure within --steps=24" in done.stderr
+    done = run_bench(tmp_path, "--quick", "moe:checkpoint.interval=3", timeout=120)
+    assert done.returncode != 0 and "names policy 'moe'" in done.stderr
+    done = run_bench(tmp_path, "--quick", "gemini:trainer.seed=3", timeout=120)
+    assert done.returncode != 0 and "may only set checkpoint.* options" in done.stderr
