@@ -35,8 +35,10 @@ from lightning_moe_ckpt.training.stage_profile import measure_compute
 
 def measure_profile(settings: RunSettings, hardware: str, useful_s: float, path: Path,
                     threads: int | None) -> MeasuredProfile:
-    """Measure this job's compute and write the simulator's profile file to ``path``."""
-    compute = measure_compute(settings, threads=threads)
+    """Measure this job's compute (on the run's accelerator: CUDA or the CPU) and write the
+    simulator's profile file to ``path``."""
+    device = "cuda" if settings.hardware.accelerator in ("cuda", "gpu") else "cpu"
+    compute = measure_compute(settings, device=device, threads=threads)
     plan = settings.layout
     document = profile_document(
         [(stage.forward_s, stage.backward_s) for stage in compute.stages],
