@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_moe_ckpt.recovery.replay import Batch, RecoveryReport, _set_step
+from lightning_moe_ckpt.recovery.replay import Batch, RecoveryReport, set_step
 from lightning_moe_ckpt.training.engine import TrainingEngine
 
 
@@ -76,7 +76,7 @@ def recover_from_durable(trainer: Any, engine: TrainingEngine, saved: Sequence[s
     report = RecoveryReport(start, 0, failed_step)
     report.phases_s["fetch"] = time.perf_counter() - started
     engine.registry.set_frozen(engine.registry.names, frozen=False)
-    _set_step(engine, start)
+    set_step(engine, start)
     hooks, engine.hooks = engine.hooks, []  # replay re-takes no snapshots
     replaying = time.perf_counter()
     try:

@@ -54,9 +54,9 @@ from lightning_moe_ckpt.recovery.global_rollback import restart_windows
 from lightning_moe_ckpt.recovery.replay import (
     Batch,
     RecoveryReport,
-    _load_piece,
-    _restore_schedule,
-    _set_step,
+    load_piece,
+    restore_schedule,
+    set_step,
 )
 
 Save = tuple[int, dict[str, Any]]  # (iteration, {"kind", "tensors"}) of one operator
@@ -277,10 +277,10 @@ def _load(engine: Any, saves: dict[str, Save], metadata: dict[str, Any],
         return [], (f"no persisted save of operator(s) {missing[:5]} at or before iteration "
                     f"{step}")
     for name in registry.names:
-        _load_piece(engine, name, saves[name][1])
+        load_piece(engine, name, saves[name][1])
     registry.set_frozen(registry.names, frozen=False)
-    _restore_schedule(engine, metadata)
-    _set_step(engine, step + 1)
+    restore_schedule(engine, metadata)
+    set_step(engine, step + 1)
     stale = [name for name in registry.names
              if saves[name][0] < step and expert_position(name) is not None]
     return stale, None

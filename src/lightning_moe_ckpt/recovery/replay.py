@@ -86,7 +86,9 @@ class RecoveryReport:
 
 
 @torch.no_grad()
-def _load_piece(engine: TrainingEngine, operator: str, piece: Mapping[str, Any]) -> None:
+def load_piece(engine: TrainingEngine, operator: str, piece: Mapping[str, Any]) -> None:
+    """Load one snapshot piece: compute weights, or master weights (compute weights
+    rounded from them) with their AdamW moments and step counters."""
     registry, optimizer = engine.registry, engine.optimizer
     tensors = piece["tensors"]
     for name, param in registry[operator].params:
@@ -104,7 +106,9 @@ def _load_piece(engine: TrainingEngine, operator: str, piece: Mapping[str, Any])
             optimizer.inner.state.pop(master, None)
 
 
-def _restore_schedule(engine: TrainingEngine, metadata: Mapping[str, Any]) -> None:
+def restore_schedule(engine: TrainingEngine, metadata: Mapping[str, Any]) -> None:
+    """Restore the LR schedule, the optimizer's param groups and the RNG a snapshot
+    recorded."""
     engine.scheduler.load_state_dict(metadata["lr_scheduler"])
     for group, saved in zip(engine.optimizer.param_groups, metadata["param_groups"], strict=True):
         group.update(saved)
@@ -129,12 +133,12 @@ def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
     try:
         first = window[0]
         for operator, piece in first["pieces"].items():
-            _load_piece(engine, operator, piece)
+            load_piece(engine, operator, piece)
         active = {op for op, piece in first["pieces"].items() if piece["kind"] == "master"}
         registry.set_frozen([n for n in registry.names if n not in active])
         registry.set_frozen(sorted(active), frozen=False)
-        _restore_schedule(engine, first["metadata"])
-        _set_step(engine, start + 1)
+        restore_schedule(engine, first["metadata"])
+        set_step(engine, start + 1)
         report.phases_s["convert_load"] = time.perf_counter() - started
         converting = time.perf_counter()
         for view in window[1:]:
@@ -145,7 +149,7 @@ def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
             report.replayed += 1
             for operator, piece in view["pieces"].items():
                 if piece["kind"] == "master" or operator not in active:
-                    _load_piece(engine, operator, piece)
+                    load_piece(engine, operator, piece)
             newly = {op for op, piece in view["pieces"].items() if piece["kind"] == "master"}
             registry.set_frozen(sorted(newly), frozen=False)
             active |= newly
@@ -172,7 +176,8 @@ def _check_interrupt(report: RecoveryReport, stop_after: int | None) -> None:
         raise RecoveryInterrupted(report)
 
 
-def _set_step(engine: TrainingEngine, step: int) -> None:
+def set_step(engine: TrainingEngine, step: int) -> None:
+    """Set the iteration the engine (and a pipeline executor) runs next."""
     engine.step = step
     if hasattr(engine.executor, "iteration"):
         engine.executor.iteration = step
