@@ -62,7 +62,9 @@ def _finish(buffer: io.BytesIO, header: dict[str, Any]) -> torch.Tensor:
     start = buffer.tell()
     torch.save(header, buffer)
     buffer.write(_LENGTH.pack(buffer.tell() - start))
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    # Zero-copy: the tensor keeps the BytesIO's memory alive (torch.frombuffer holds a
+    # reference to the exporting buffer).
+    return torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
 
 
 def _bytes(data: torch.Tensor) -> memoryview:

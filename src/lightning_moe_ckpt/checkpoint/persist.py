@@ -74,7 +74,7 @@ class DiskPersister:
             snapshot.checksummed.wait()
             target = self.path(snapshot.step)
             partial = target.with_suffix(".partial")
-            partial.write_bytes(encode_snapshot(snapshot).numpy().tobytes())
+            partial.write_bytes(encode_snapshot(snapshot).numpy().data)  # no extra copy
             os.replace(partial, target)  # never a half-written file under the final name
             self.written.append(str(target))
             for old in self.written[:-self.keep]:
