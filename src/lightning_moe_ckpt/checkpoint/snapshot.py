@@ -26,6 +26,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -60,9 +61,10 @@ class SnapshotPiece:
     tensors: dict[str, torch.Tensor]  # "<param>" (compute) or "<param>/<field>" (master)
     checksum: int | None = None
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        """Bytes held by this piece."""
+        """Bytes held by this piece (its tensors never change: computed once, since the
+        store sums them every iteration)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def verify(self) -> bool:
@@ -217,8 +219,9 @@ class SnapshotEngine:
             else:
                 if self.copy_delay_s:
                     time.sleep(self.copy_delay_s)
-                for source, target in pairs:
-                    target.copy_(source)
+                if pairs:  # one call: a per-tensor loop would contend for the GIL
+                    sources, targets = zip(*pairs, strict=True)
+                    torch._foreach_copy_(list(targets), list(sources))
             snapshot.copied.set()
             if snapshot.step not in self.interrupted_steps:
                 for piece in snapshot.pieces.values():
