@@ -82,11 +82,11 @@ class FailureInjector(L.Callback):
             return
         assert self.engine is not None and self.batch is not None
         detected = time.perf_counter()
-        # Failures in phase "recovery" strike while the recovery from the others runs.
-        cascading = [e for e in events if e.phase == "recovery"]
-        first = [e for e in events if e.phase != "recovery"] or cascading
-        cascading = [e for e in cascading if e not in first]
-        failed = sorted({event.rank for event in first})
+        # Failures in phase "recovery" strike while the recovery from the others runs
+        # (alone at a step, they are ordinary failures).
+        first = [e for e in events if e.phase != "recovery"]
+        cascading = [e for e in events if e.phase == "recovery"] if first else []
+        failed = sorted({event.rank for event in first or events})
         for event in events:
             self.counter.record(event)
         # Copies already issued complete first: a dead worker's in-flight copy never
@@ -98,8 +98,8 @@ class FailureInjector(L.Callback):
             self._destroy()
         cascade = None
         if cascading:
-            cascade = Cascade(tuple(sorted({e.rank for e in cascading})),
-                              self._fail_if_among(tuple(e.rank for e in cascading)))
+            ranks = tuple(sorted({e.rank for e in cascading}))
+            cascade = Cascade(ranks, self._fail_if_among(ranks))
             if self.world_size == 1 or is_baseline(coordinator.planner):
                 # One process, or a baseline that restarts everyone from its checkpoint:
                 # the later failure only adds to what is lost before the recovery.
@@ -111,7 +111,6 @@ class FailureInjector(L.Callback):
         try:
             report, rolled_back = self._recover(step, failed, cascade)
         except CorruptCheckpointError as error:  # raised alike on every rank
-            assert self.engine is not None and self.batch is not None
             report = recover_from_durable(self.trainer, self.engine,
                                           self.checkpointing.durable_saved, self.batch, step,
                                           error)
