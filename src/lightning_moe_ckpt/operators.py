@@ -1,65 +1,96 @@
-"""Operator registry: the units of sparse checkpointing, their byte sizes and active/frozen state.
+"""Operator registry: the units of sparse checkpointing, their pieces and active/frozen state.
 
-An operator is each routed expert (``layers.3.moe.experts.17``), each gate
-(``layers.3.moe.gate``), the shared experts of a layer (``layers.3.moe.shared_experts``),
-the non-expert part of each block (``layers.3.attn``: attention and both norms), the
-embedding (``embed``) and the output head with the final norm (``head``). Names are derived
-from parameter names, which the model keeps identical in every parallel layout, so the
-registry of a pipeline stage or an expert-parallel shard uses the same names as the full
-model and simply lists fewer operators.
+An operator is a named set of **pieces**; a piece is a whole parameter, or one slice of a
+parameter along its expert dimension (dim 0 of a fused expert tensor such as
+``mlp.experts.gate_up_proj`` of shape ``[E, ...]``). Which parameters (and slices) form
+which operator is decided by the discovery rules of
+:mod:`~lightning_moe_ckpt.operator_discovery` (ModuleList experts, fused experts, routers,
+shared experts, embeddings, the output head, the rest of each block) or by a user
+override. Names come from parameter names, which stay identical in every parallel layout,
+so the registry of a pipeline stage or an expert-parallel shard uses the same names as the
+full model and simply lists fewer operators.
 
-Freezing an operator sets ``requires_grad=False`` on its parameters: autograd then skips
-the weight-gradient GEMMs but still propagates input gradients through it, and the
-master-weight optimizer skips parameters without a gradient, leaving master weights,
-moments and step counters untouched.
+Freezing an operator: a whole-parameter piece gets ``requires_grad=False`` (autograd skips
+its weight-gradient GEMM, still propagates input gradients, and the optimizer skips it); a
+slice piece is held by :class:`FrozenSlices`, which puts the slice's weights and
+optimizer state back after every optimizer step (zero gradients are not enough: AdamW
+moves zero-gradient slices through weight decay and its moments). A fused parameter whose
+slices are all frozen gets ``requires_grad=False`` too.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from functools import partial
+from typing import Any, Literal
 
+import torch
 from torch import nn
 
-OperatorKind = Literal["embed", "attn", "gate", "expert", "shared_experts", "head"]
+OperatorKind = Literal["embed", "attn", "gate", "expert", "shared_experts", "head", "other"]
 
-# Master state per parameter element: fp32 master weight, plus AdamW's two fp32 moments.
+# Nominal master state per parameter element under AdamW with fp32 masters: 4-byte master
+# weight plus two 4-byte moments. The simulator sizes models with it; the runtime schedule
+# uses the bytes measured from the live optimizer (OptimizerStateAccess).
 MASTER_WEIGHT_BYTES = 4
 OPTIMIZER_STATE_BYTES = 8
 
-_EXPERT = re.compile(r"^layers\.(\d+)\.moe\.experts\.(\d+)\.")
-_GATE = re.compile(r"^layers\.(\d+)\.moe\.gate\.")
-_SHARED = re.compile(r"^layers\.(\d+)\.moe\.shared_experts\.")
-_BLOCK = re.compile(r"^layers\.(\d+)\.")
+# The one naming rule for routed experts: ``<...>.<block index>.<...>experts.<expert>``.
+# Operators of experts are named this way by every discovery rule.
+_EXPERT_OPERATOR = re.compile(r"^(?:[^.]+\.)*?(\d+)\.(?:[^.]+\.)*?experts\.(\d+)$")
+# Parameters that belong to routed experts: ModuleList experts (``experts.<i>.``) or fused
+# expert tensors owned directly by an ``experts`` module (``experts.<name>``).
+_EXPERT_PARAMETER = re.compile(r"(?:^|\.)experts\.(?:\d+\.|[^.]+$)")
 
 
-def operator_of(param_name: str) -> tuple[str, OperatorKind, int | None, int | None]:
-    """Map a parameter FQN to ``(operator name, kind, layer, expert)``."""
-    if match := _EXPERT.match(param_name):
-        layer, expert = int(match[1]), int(match[2])
-        return f"layers.{layer}.moe.experts.{expert}", "expert", layer, expert
-    if match := _GATE.match(param_name):
-        return f"layers.{match[1]}.moe.gate", "gate", int(match[1]), None
-    if match := _SHARED.match(param_name):
-        return f"layers.{match[1]}.moe.shared_experts", "shared_experts", int(match[1]), None
-    if match := _BLOCK.match(param_name):
-        return f"layers.{match[1]}.attn", "attn", int(match[1]), None
-    if param_name.startswith("embed."):
-        return "embed", "embed", None, None
-    if param_name.startswith("head."):
-        return "head", "head", None, None
-    raise ValueError(f"parameter {param_name!r} belongs to no known operator")
+def expert_position(operator: str) -> tuple[int, int] | None:
+    """``(layer, expert)`` of a routed-expert operator name, ``None`` for any other."""
+    match = _EXPERT_OPERATOR.match(operator)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def is_expert_parameter(param_name: str) -> bool:
+    """Whether a parameter holds routed-expert weights (sharded over expert parallelism)."""
+    return _EXPERT_PARAMETER.search(param_name) is not None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A whole parameter (``index is None``) or its slice ``index`` along dim 0."""
+
+    param_name: str
+    param: nn.Parameter
+    index: int | None = None
+
+    @property
+    def key(self) -> str:
+        """Name of the piece inside a snapshot (unique per rank)."""
+        return self.param_name if self.index is None else f"{self.param_name}[{self.index}]"
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The piece's part of ``tensor`` (a tensor shaped like the parameter)."""
+        return tensor if self.index is None else tensor[self.index]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the piece."""
+        return self.view(self.param).numel()
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of the piece's compute weights (the parameter's dtype)."""
+        return self.numel * self.param.element_size()
 
 
 @dataclass(frozen=True)
 class OperatorBytes:
     """Byte sizes of one operator's state."""
 
-    compute: int  # weights read by forward/backward (bf16 or fp32)
-    master: int  # fp32 master weights
-    optimizer: int  # AdamW exp_avg + exp_avg_sq (per-tensor step counters are metadata)
+    compute: int  # weights read by forward/backward
+    master: int  # master weights (fp32 copies, or the parameters themselves)
+    optimizer: int  # optimizer state
 
     @property
     def master_state(self) -> int:
@@ -69,40 +100,131 @@ class OperatorBytes:
 
 @dataclass(frozen=True)
 class Operator:
-    """One checkpointable unit and the parameters it owns."""
+    """One checkpointable unit and the pieces it owns."""
 
     name: str
     kind: OperatorKind
     layer: int | None
     expert: int | None
-    params: tuple[tuple[str, nn.Parameter], ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def params(self) -> tuple[tuple[str, nn.Parameter], ...]:
+        """The parameters the operator touches (whole, even where it owns a slice)."""
+        seen: dict[str, nn.Parameter] = {}
+        for piece in self.pieces:
+            seen.setdefault(piece.param_name, piece.param)
+        return tuple(seen.items())
 
     @property
     def numel(self) -> int:
-        """Number of parameter elements."""
-        return sum(p.numel() for _, p in self.params)
+        """Number of parameter elements the operator owns."""
+        return sum(piece.numel for piece in self.pieces)
 
     @property
     def nbytes(self) -> OperatorBytes:
-        """Exact byte sizes, read from the parameters' real shapes and dtypes."""
-        compute = sum(p.numel() * p.element_size() for _, p in self.params)
+        """Compute bytes from the real tensors; master state at the nominal AdamW size
+        (the simulator's sizing; the runtime measures the live optimizer instead)."""
+        compute = sum(piece.compute_bytes for piece in self.pieces)
         return OperatorBytes(compute, self.numel * MASTER_WEIGHT_BYTES,
                              self.numel * OPTIMIZER_STATE_BYTES)
+
+
+OperatorOverride = Mapping[str, str] | Callable[[str, nn.Parameter], "str | None"]
+
+
+class FrozenSlices:
+    """Frozen pieces an optimizer step must leave untouched, restored around the step.
+
+    Slices of fused parameters are always frozen this way; whole parameters only when
+    the registry freezes by restore (``requires_grad`` cannot change under DDP, whose
+    reducer expects a gradient for every parameter it registered). :meth:`hold` (right
+    before the optimizer step) saves the frozen part of every tensor the step may write:
+    the parameter, its master copy and every optimizer-state tensor shaped like it, and,
+    for whole parameters, the shared scalars too (or that there was no state);
+    :meth:`release` (right after) writes them back. A slice's shared scalars (AdamW's
+    ``step``) are one value per parameter: they advance with the active slices, which is
+    exactly what the uninterrupted run did.
+    """
+
+    def __init__(self) -> None:
+        self.frozen: dict[int, tuple[nn.Parameter, set[int | None]]] = {}
+        self._held: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self._stateless: list[Callable[[], None]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.frozen)
+
+    def set(self, piece: Piece, frozen: bool) -> None:
+        """Freeze (or activate) one piece."""
+        param, indices = self.frozen.setdefault(id(piece.param), (piece.param, set()))
+        (indices.add if frozen else indices.discard)(piece.index)
+        if not indices:
+            del self.frozen[id(param)]
+
+    def is_frozen(self, piece: Piece) -> bool:
+        """Whether ``piece`` is held frozen here."""
+        entry = self.frozen.get(id(piece.param))
+        return entry is not None and piece.index in entry[1]
+
+    def all_frozen(self, param: nn.Parameter) -> bool:
+        """Whether every slice of a fused ``param`` is frozen."""
+        entry = self.frozen.get(id(param))
+        return entry is not None and len(entry[1]) == param.shape[0]
+
+    @torch.no_grad()
+    def hold(self, tensors_of: Callable[[nn.Parameter], list[torch.Tensor]],
+             state_of: Callable[[nn.Parameter], dict[str, Any] | None]) -> None:
+        """Save the frozen parts of ``tensors_of(param)`` (the tensors a step writes);
+        ``state_of(param)`` is the parameter's optimizer state (``None``: none yet)."""
+        self._held, self._stateless = [], []
+        for param, indices in self.frozen.values():
+            if not param.requires_grad:
+                continue  # the optimizer skips the whole parameter
+            if None in indices:  # a whole parameter frozen by restore
+                for tensor in tensors_of(param):
+                    self._held.append((tensor, None, tensor.clone()))
+                if state_of(param) is None:
+                    self._stateless.append(partial(_drop_state, state_of, param))
+                continue
+            index = torch.tensor(sorted(i for i in indices if i is not None),
+                                 device=param.device)
+            for tensor in tensors_of(param):
+                if tensor.shape[:1] == param.shape[:1] and tensor.dim() == param.dim():
+                    self._held.append((tensor, index, tensor.index_select(0, index)))
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Put the held parts back."""
+        for tensor, index, saved in self._held:
+            if index is None:
+                tensor.copy_(saved)
+            else:
+                tensor.index_copy_(0, index, saved)
+        for drop in self._stateless:
+            drop()
+        self._held, self._stateless = [], []
+
+
+def _drop_state(state_of: Callable[[nn.Parameter], dict[str, Any] | None],
+                param: nn.Parameter) -> None:
+    state = state_of(param)
+    if state is not None:
+        state.clear()
 
 
 class OperatorRegistry:
     """The operators of a (possibly partial) model in model order, with freeze control."""
 
-    def __init__(self, model: nn.Module) -> None:
-        grouped: dict[str, tuple[OperatorKind, int | None, int | None,
-                                 list[tuple[str, nn.Parameter]]]] = {}
-        for param_name, param in model.named_parameters():
-            name, kind, layer, expert = operator_of(param_name)
-            grouped.setdefault(name, (kind, layer, expert, []))[3].append((param_name, param))
+    def __init__(self, model: nn.Module, override: OperatorOverride | None = None,
+                 freeze_by_restore: bool = False) -> None:
+        from lightning_moe_ckpt.operator_discovery import discover_operators
+
         self.operators: dict[str, Operator] = {
-            name: Operator(name, kind, layer, expert, tuple(params))
-            for name, (kind, layer, expert, params) in grouped.items()
-        }
+            op.name: op for op in discover_operators(model, override)}
+        self.frozen_slices = FrozenSlices()
+        # Whole parameters too are frozen by restoring them around the step (DDP).
+        self.freeze_by_restore = freeze_by_restore
 
     def __len__(self) -> int:
         return len(self.operators)
@@ -127,24 +249,35 @@ class OperatorRegistry:
 
     def set_frozen(self, names: Iterable[str], frozen: bool = True) -> None:
         """Freeze (or activate) the named operators."""
+        touched: dict[int, nn.Parameter] = {}
         for name in names:
-            for _, param in self[name].params:
-                param.requires_grad_(not frozen)
+            for piece in self[name].pieces:
+                if piece.index is None and not self.freeze_by_restore:
+                    piece.param.requires_grad_(not frozen)
+                elif piece.index is None:
+                    self.frozen_slices.set(piece, frozen)
+                else:
+                    self.frozen_slices.set(piece, frozen)
+                    touched[id(piece.param)] = piece.param
+        for param in touched.values():  # a fused tensor computes while any slice is active
+            param.requires_grad_(not self.frozen_slices.all_frozen(param))
 
     def activate_all(self) -> None:
         """Normal training: every operator active."""
         self.set_frozen(self.names, frozen=False)
 
     def is_frozen(self, name: str) -> bool:
-        """Whether the operator's parameters are excluded from weight gradients."""
-        return not any(p.requires_grad for _, p in self[name].params)
+        """Whether the operator takes no optimizer update."""
+        return all(self.frozen_slices.is_frozen(piece)
+                   or (piece.index is None and not piece.param.requires_grad)
+                   for piece in self[name].pieces)
 
     def frozen(self) -> list[str]:
         """Names of the frozen operators."""
         return [name for name in self.operators if self.is_frozen(name)]
 
     def total_bytes(self) -> OperatorBytes:
-        """Sum of every operator's byte sizes."""
+        """Sum of every operator's nominal byte sizes."""
         sizes = [op.nbytes for op in self.operators.values()]
         return OperatorBytes(sum(s.compute for s in sizes), sum(s.master for s in sizes),
                              sum(s.optimizer for s in sizes))

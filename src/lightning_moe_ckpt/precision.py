@@ -45,7 +45,28 @@ def compute_dtype(precision: Precision) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16-master" else torch.float32
 
 
-class MasterWeightAdamW(torch.optim.Optimizer):
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """An optimizer that steps master copies of the model's parameters.
+
+    Declares where the master weights are, so checkpointing reads and restores them
+    instead of the parameters (:class:`~lightning_moe_ckpt.optimizer_state.
+    OptimizerStateAccess`), and that gradients must reach the masters before a step.
+    """
+
+    def masters_by_param(self) -> dict[int, torch.Tensor]:
+        """Master tensor of each model parameter, keyed by ``id(param)``."""
+        raise NotImplementedError
+
+    def collect_grads(self, divisor: int = 1) -> None:
+        """Move model gradients into the master gradients (divided by ``divisor``)."""
+        raise NotImplementedError
+
+    def named_master_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients the next step applies, by parameter FQN."""
+        raise NotImplementedError
+
+
+class MasterWeightAdamW(MasterWeightOptimizer):
     """AdamW over fp32 master weights, keyed by parameter FQN.
 
     In ``32`` mode the master weights are the model parameters themselves. In
@@ -64,6 +85,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             self.master = {name: nn.Parameter(p.detach().float().clone())
                            for name, p in self.model_params.items()}
         self._grad_buffers: dict[str, torch.Tensor] = {}
+        self._collected = False  # step() collects gradients itself when nobody did
         # Matrices decay; vectors (norm gains) do not, as is usual for transformers.
         decay = [m for m in self.master.values() if m.ndim >= 2]
         no_decay = [m for m in self.master.values() if m.ndim < 2]
@@ -78,9 +100,14 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
 
+    def masters_by_param(self) -> dict[int, torch.Tensor]:
+        """Master tensor of each model parameter, keyed by ``id(param)``."""
+        return {id(p): self.master[name] for name, p in self.model_params.items()}
+
     @torch.no_grad()
     def collect_grads(self, divisor: int = 1) -> None:
         """Move model gradients into the master gradients (fp32) and divide by ``divisor``."""
+        self._collected = True
         for name, param in self.model_params.items():
             master = self.master[name]
             if param.grad is None:
@@ -104,7 +131,13 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """AdamW step on the master weights, then write compute weights back."""
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._collected:  # a plain loop (Lightning's automatic optimization)
+            self.collect_grads()
+        self._collected = False
         self.inner.step()
         if self.precision != "32":
             stepped = [(self.model_params[n], m) for n, m in self.master.items()

@@ -134,6 +134,7 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
         checkpointing.hook_into(strategy.core)  # boundary logging needs the hook first
     engine = strategy.build_engine(settings) if distributed else TrainingEngine.local(settings)
     shard = strategy.core.data_shard if distributed else 0
+    engine.batch = lambda t: data.train.iteration(t, shard)  # replay reads the sampler
     _, wrapped_optimizer = fabric.setup(engine.model, engine.optimizer)
     if checkpointing is not None:
         checkpointing.attach(engine, rank=fabric.global_rank, world_size=fabric.world_size,
@@ -141,8 +142,7 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
                              device=fabric.device)
     injector = _failure_injector(settings, checkpointing)
     if injector is not None:
-        injector.attach(engine, lambda t: data.train.iteration(t, shard), fabric.global_rank,
-                        fabric.world_size)
+        injector.attach(engine, fabric.global_rank, fabric.world_size)
     layer_ids = list(range(settings.model.n_layers))
     metrics = ValidationMetrics()
     train = IterationDataset(data.train, settings.max_steps, shard=shard)

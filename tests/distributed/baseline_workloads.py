@@ -60,7 +60,8 @@ def _run(settings: RunSettings, scenario: Scenario | None, fail_step: int,
         checkpointing.attach(engine, rank=rank, world_size=world)
         events = [{"step": fail_step, "rank": r} for r in failed]
         injector = FailureInjector(AtSchedule(events, world), checkpointing)
-        injector.attach(engine, batch, rank, world)
+        engine.batch = batch
+        injector.attach(engine, rank, world)
     losses, after = [], None
     for t in range(settings.max_steps):
         losses.append(float(engine.train_iteration(*batch(t)).loss))

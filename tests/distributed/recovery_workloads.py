@@ -40,7 +40,8 @@ def injected_run(settings: RunSettings, window: int, events: list[dict[str, Any]
     shard = coords.dp * plan.ep + coords.ep
     coordinator = checkpointing.attach(engine, rank=rank, world_size=world)
     injector = FailureInjector(AtSchedule(events, world_size=world), checkpointing)
-    injector.attach(engine, lambda t: sampler.iteration(t, shard), rank, world)
+    engine.batch = lambda t: sampler.iteration(t, shard)
+    injector.attach(engine, rank, world)
     destroyed: list[bool] = []  # per destruction: every parameter became garbage
     destroy = injector._destroy
 

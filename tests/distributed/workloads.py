@@ -249,7 +249,7 @@ def replication_check(settings: RunSettings, steps: int, window: int) -> dict[st
     replicator = coordinator.replicator
     assert replicator is not None
     replicator.drain()
-    coordinator._drain_acks()
+    coordinator.drain_acks()
     coordinator.store.refresh()
     start = coordinator.store.persisted_start
     assert start is not None

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.checkpoint.planners import CapturePlan
 from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
+from lightning_moe_ckpt.targets.base import StepHooks
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.settings import settings_from_config
 
@@ -16,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-class _Wait:
+class _Wait(StepHooks):
     def __init__(self, snapshots: SnapshotEngine) -> None:
         self.snapshots = snapshots
 
@@ -35,7 +36,7 @@ def test_cuda_snapshots_are_exact_and_pinned(precision: str) -> None:
         "trainer": {"precision": precision, "global_batch": 16, "max_steps": 6}}))
     engine = TrainingEngine.local(settings, device="cuda")
     registry = engine.registry
-    snapshots = SnapshotEngine(registry, engine.optimizer, 0, torch.device("cuda"))
+    snapshots = SnapshotEngine(registry, engine.state, 0, torch.device("cuda"))
     engine.hooks.append(_Wait(snapshots))
     names = registry.names
     generator = torch.Generator().manual_seed(0)

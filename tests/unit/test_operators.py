@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_moe_ckpt.models import MoEModelConfig, MoETransformer
-from lightning_moe_ckpt.operators import OperatorRegistry, operator_of
+from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.precision import PRECISIONS, Precision
 from lightning_moe_ckpt.training.core import (
     build_model,
@@ -33,10 +33,12 @@ def test_operator_names_cover_every_parameter_once(tiny_cfg: MoEModelConfig) -> 
     assert registry.names[:4] == ["embed", "layers.0.attn", "layers.0.moe.gate",
                                   "layers.0.moe.experts.0"]
     assert registry["layers.3.moe.experts.7"].expert == 7
-    assert operator_of("layers.2.ffn_norm.weight")[0] == "layers.2.attn"
-    assert operator_of("head.norm.weight")[0] == "head"
-    with pytest.raises(ValueError, match="no known operator"):
-        operator_of("mystery.weight")
+    owner = {piece.param_name: op.name for op in registry for piece in op.pieces}
+    assert owner["layers.2.ffn_norm.weight"] == "layers.2.attn"
+    assert owner["head.norm.weight"] == "head"
+    model.mystery = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="'mystery' belongs to no operator"):
+        OperatorRegistry(model)
 
 
 def test_registry_of_partial_model_keeps_names(tiny_cfg: MoEModelConfig) -> None:

@@ -187,7 +187,7 @@ def test_bf16_model_snapshot_bytes_match_the_accounting() -> None:
     generator = torch.Generator().manual_seed(0)
     popularity = {op.name: float(torch.rand((), generator=generator))
                   for op in registry if op.kind == "expert"}
-    specs = specs_from_registry(registry, popularity)
+    specs = specs_from_registry(registry, popularity=popularity)
     numel = {op.name: op.numel for op in registry}
     for spec in specs:
         assert spec.compute_bytes == 2 * numel[spec.name]

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, SnapshotEngine, tensor_checksum
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 from lightning_moe_ckpt.precision import PRECISIONS, Precision
+from lightning_moe_ckpt.targets.base import StepHooks
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.settings import settings_from_config
 
@@ -59,7 +60,7 @@ def _live(engine: TrainingEngine, operator: str, kind: str) -> dict[str, torch.T
 def test_slow_copy_never_holds_post_step_values(precision: Precision) -> None:
     engine = _engine(precision)
     registry = engine.registry
-    snapshots = SnapshotEngine(registry, engine.optimizer, rank=0, device=torch.device("cpu"),
+    snapshots = SnapshotEngine(registry, engine.state, rank=0, device=torch.device("cpu"),
                                copy_delay_s=0.05)
     engine.hooks.append(_WaitHook(snapshots))
     names = registry.names
@@ -83,7 +84,7 @@ def test_slow_copy_never_holds_post_step_values(precision: Precision) -> None:
             assert piece.verify()
 
 
-class _WaitHook:
+class _WaitHook(StepHooks):
     def __init__(self, snapshots: SnapshotEngine) -> None:
         self.snapshots = snapshots
 
@@ -105,7 +106,7 @@ def test_buffers_are_reused_and_store_keeps_two_windows() -> None:
     engine = _engine("32")
     registry = engine.registry
     pool = HostBufferPool(pin_memory=False)
-    snapshots = SnapshotEngine(registry, engine.optimizer, 0, torch.device("cpu"), pool)
+    snapshots = SnapshotEngine(registry, engine.state, 0, torch.device("cpu"), pool)
     store = SnapshotStore(pool, replicas=0)
     released: list[int] = []
     store.release_listeners.append(released.append)

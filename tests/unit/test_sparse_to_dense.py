@@ -46,6 +46,7 @@ def run(precision: Precision, fail_at: int | None) -> tuple[dict[str, Any], list
         "model": {"max_seq_len": 16}, "data": {"seq_len": 16},
         "trainer": {"precision": precision, "global_batch": 8, "max_steps": STEPS}}))
     engine = TrainingEngine.local(settings)
+    engine.batch = batch
     checkpointing = SparseCheckpointing("moevement", replicas=0, window=WINDOW)
     coordinator = checkpointing.attach(engine)
     losses, report = [], None
@@ -54,7 +55,7 @@ def run(precision: Precision, fail_at: int | None) -> tuple[dict[str, Any], list
             coordinator.snapshots.wait_copies()  # no copy may read the garbage
             destroy(engine)
             assert all(torch.isnan(p).all() for p in engine.model.parameters())
-            report = recover_from_store(coordinator, batch, failed_step=step)
+            report = recover_from_store(coordinator, failed_step=step)
         losses.append(float(engine.train_iteration(*batch(step)).loss))
     checkpointing.close()
     return consolidated_state(engine.model, engine.optimizer, STEPS), losses, report

@@ -11,8 +11,11 @@ persisted window (global rollback); a single process recovers from its own host 
 The baseline policies recover their own way (:mod:`~lightning_moe_ckpt.recovery.baselines`):
 ``gemini`` and ``checkfreq`` roll every rank back to their last dense checkpoint, ``moc``
 and ``moetion`` restore their partial state (stale experts) and report the lost tokens.
-Iteration ``t`` then runs as if nothing happened. The injector counts what it fired and
-records a report per recovery (window, iterations replayed, ranks, phase timings).
+The injector is one client of :func:`~lightning_moe_ckpt.recovery.entry.recover`: it
+destroys what the failed ranks lose, then every rank enters the same recovery a real
+failure detector would. Iteration ``t`` then runs as if nothing happened. The injector
+counts what it fired and records a report per recovery (window, iterations replayed,
+ranks, phase timings).
 """
 
 from __future__ import annotations
@@ -22,32 +25,26 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning as L
-import torch
 import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
-from lightning_moe_ckpt.checkpoint.replication import CorruptCheckpointError
-from lightning_moe_ckpt.recovery.baselines import is_baseline, recover_baseline
-from lightning_moe_ckpt.recovery.durable import recover_from_durable
+from lightning_moe_ckpt.recovery.baselines import is_baseline
+from lightning_moe_ckpt.recovery.entry import DurableFallback, RecoveryRequest, recover
 from lightning_moe_ckpt.recovery.faults import (
     FailureCounter,
     FaultSchedule,
     destroy_rank_state,
 )
-from lightning_moe_ckpt.recovery.global_rollback import global_rollback, restart_windows
-from lightning_moe_ckpt.recovery.localized import localized_rollback
-from lightning_moe_ckpt.recovery.replay import Cascade, RecoveryReport, recover_from_store
-from lightning_moe_ckpt.recovery.scope import recovery_scopes
-from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.recovery.replay import Cascade, RecoveryReport
+from lightning_moe_ckpt.targets.base import StepHooks, TrainingTarget
 
-BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 # Recovery phases in the order they happen ("convert_load": loading the window's first
 # snapshot; "convert": replaying the window with frozen operators).
 PHASE_ORDER = ("detect", "fetch", "convert_load", "convert", "replay", "resume", "total")
 
 
-class FailureInjector(L.Callback):
+class FailureInjector(L.Callback, StepHooks):
     """Injects the failures of ``schedule`` and recovers through ``checkpointing``."""
 
     def __init__(self, schedule: FaultSchedule, checkpointing: SparseCheckpointing) -> None:
@@ -55,20 +52,21 @@ class FailureInjector(L.Callback):
         self.checkpointing = checkpointing
         self.counter = FailureCounter()
         self.recoveries: list[dict[str, Any]] = []
-        self.engine: TrainingEngine | None = None
-        self.batch: BatchFn | None = None
+        self.target: TrainingTarget | None = None
         self.rank, self.world_size = 0, 1
         self.trainer: L.Trainer | None = None  # loads durable checkpoints when set
 
-    def attach(self, engine: TrainingEngine, batch: BatchFn, rank: int = 0,
-               world_size: int = 1) -> None:
-        """Start injecting into ``engine``; ``batch(t)`` gives this rank's data of step t."""
+    def attach(self, target: TrainingTarget, rank: int = 0, world_size: int = 1) -> None:
+        """Start injecting into ``target`` (attach ``checkpointing`` first)."""
         if self.checkpointing.coordinator is None:
             raise RuntimeError("attach SparseCheckpointing before FailureInjector")
-        self.engine, self.batch = engine, batch
+        if self.target is target:
+            return
+        self.target = target
         self.rank, self.world_size = rank, world_size
-        engine.hooks.append(self)
+        target.hooks.append(self)
 
+    @override
     def before_iteration(self, step: int) -> None:
         coordinator = self.checkpointing.coordinator
         assert coordinator is not None  # attach() checked it
@@ -80,7 +78,6 @@ class FailureInjector(L.Callback):
         events = self.schedule.events_at(step)
         if not events:
             return
-        assert self.engine is not None and self.batch is not None
         detected = time.perf_counter()
         # Failures in phase "recovery" strike while the recovery from the others runs
         # (alone at a step, they are ordinary failures).
@@ -106,19 +103,11 @@ class FailureInjector(L.Callback):
                 cascade.fail()
                 failed = sorted(set(failed) | set(cascade.ranks))
                 cascade = None
-        report: RecoveryReport | None
         recovering = time.perf_counter()  # failure handled, state lost: recovery begins
-        try:
-            report, rolled_back = self._recover(step, failed, cascade)
-        except CorruptCheckpointError as error:  # raised alike on every rank
-            report = recover_from_durable(self.trainer, self.engine,
-                                          self.checkpointing.durable_saved, self.batch, step,
-                                          error)
-            resuming = time.perf_counter()
-            restart_windows(coordinator, step)
-            report.phases_s["resume"] = time.perf_counter() - resuming
-            rolled_back = list(range(self.world_size))
-        summary = self._agree_on_summary(report)
+        outcome = recover(RecoveryRequest(step, tuple(failed), cascade), coordinator,
+                          self.checkpointing.upstream_log,
+                          DurableFallback(self.trainer, tuple(self.checkpointing.durable_saved)))
+        summary = self._agree_on_summary(outcome.report)
         timings = {"detect": recovering - detected, **summary["timings_s"],
                    "total": time.perf_counter() - detected}
         order = [*PHASE_ORDER[:-1], *sorted(set(timings) - set(PHASE_ORDER)), "total"]
@@ -130,45 +119,17 @@ class FailureInjector(L.Callback):
             "failed_phases": sorted({event.phase for event in events}),
             "window_start": summary["window_start"], "window": summary["window"],
             "iterations_replayed": summary["replayed"],
-            "ranks_rolled_back": rolled_back, "lost_tokens": summary["lost_tokens"],
+            "ranks_rolled_back": outcome.rolled_back, "lost_tokens": summary["lost_tokens"],
             "lost_token_portion": summary["lost_token_portion"],
             "stale_experts": summary["stale_experts"],
             "timings_s": summary["timings_s"],
         })
 
-    def _recover(self, step: int, failed: list[int], cascade: Cascade | None
-                 ) -> tuple[RecoveryReport | None, list[int]]:
-        """Run the recovery the policy and layout call for; returns this rank's report
-        (``None`` when it only paused) and the ranks rolled back."""
-        assert self.engine is not None and self.batch is not None
-        coordinator = self.checkpointing.coordinator
-        assert coordinator is not None
-        report: RecoveryReport | None
-        plan = self.engine.settings.layout
-        log = self.checkpointing.upstream_log
-        rolled_back = list(range(self.world_size))
-        if is_baseline(coordinator.planner):  # every rank rolls back, never localized
-            report = recover_baseline(coordinator, self.batch, step, failed, self.world_size)
-        elif self.world_size == 1:  # one process: its host memory survives a device failure
-            report = recover_from_store(coordinator, self.batch, step)
-        elif log is not None and plan.pp > 1 and plan.stages_per_rank == 1:
-            scopes = recovery_scopes(plan, failed, upstream_logging=True)
-            if cascade is not None:
-                scopes = recovery_scopes(plan, cascade.ranks, upstream_logging=True,
-                                         ongoing=scopes)
-            rolled_back = sorted(r for scope in scopes for r in scope.ranks)
-            report = localized_rollback(coordinator, log, plan,
-                                        plan.coordinates(self.rank), self.batch, step, failed,
-                                        cascade)
-        else:
-            report = global_rollback(coordinator, self.batch, step, failed, cascade)
-        return report, rolled_back
-
     def _destroy(self) -> None:
         """What this rank's worker loses when it fails."""
-        assert self.engine is not None
+        assert self.target is not None
         log = self.checkpointing.upstream_log
-        destroy_rank_state(self.engine.model, self.engine.optimizer,
+        destroy_rank_state(self.target.model, self.target.optimizer,
                            [log.drop] if log is not None else [])
 
     def _fail_if_among(self, ranks: tuple[int, ...]) -> Callable[[], None]:
@@ -182,23 +143,15 @@ class FailureInjector(L.Callback):
         mine = None if report is None else {
             "window_start": report.window_start, "window": report.window,
             "replayed": report.replayed, "rounds": report.rounds,
-            "timings_s": dict(report.phases_s)}
-        if report is not None and mine is not None:  # zero unless a partial baseline
-            mine.update(lost_tokens=report.lost_tokens,
-                        lost_token_portion=report.lost_token_portion,
-                        stale_experts=list(report.stale_experts))
+            "timings_s": dict(report.phases_s), "lost_tokens": report.lost_tokens,
+            "lost_token_portion": report.lost_token_portion,
+            "stale_experts": list(report.stale_experts)}
         if self.world_size == 1:
             assert mine is not None
             return mine
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
         return next(s for s in everyone if s is not None)
-
-    def before_optimizer_step(self, step: int) -> None:
-        return None
-
-    def after_optimizer_step(self, step: int, result: Any) -> None:
-        return None
 
     def metrics(self) -> dict[str, Any]:
         """Failure and recovery figures for ``metrics.json``."""
@@ -225,10 +178,7 @@ class FailureInjector(L.Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.trainer = trainer
-        engine = getattr(pl_module, "engine", None)
-        run_data = getattr(pl_module, "run_data", None)
-        if not isinstance(engine, TrainingEngine) or run_data is None:
-            raise TypeError("FailureInjector needs a MoELanguageModule-like module")
-        sampler, shard = run_data().train, getattr(pl_module, "data_shard", 0)
-        self.attach(engine, lambda t: sampler.iteration(t, shard), trainer.global_rank,
-                    trainer.world_size)
+        if self.checkpointing.target is None:  # callbacks listed in the other order
+            self.checkpointing.on_train_start(trainer, pl_module)
+        assert self.checkpointing.target is not None
+        self.attach(self.checkpointing.target, trainer.global_rank, trainer.world_size)

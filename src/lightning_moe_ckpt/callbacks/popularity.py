@@ -19,10 +19,11 @@ import torch
 from typing_extensions import override
 
 from lightning_moe_ckpt.checkpoint.popularity import PopularityTracker as _Tracker
+from lightning_moe_ckpt.targets.base import StepHooks, StepResult
 from lightning_moe_ckpt.training.engine import TrainingEngine
 
 
-class PopularityTracker(L.Callback):
+class PopularityTracker(L.Callback, StepHooks):
     """Tracks and logs expert popularity."""
 
     def __init__(self, scheme: str = "hard", alpha: float = 0.9,
@@ -41,12 +42,11 @@ class PopularityTracker(L.Callback):
             self._pending = None
         engine.hooks.append(self)
 
-    def before_optimizer_step(self, step: int) -> None:
-        return None
-
-    def after_optimizer_step(self, step: int, result: Any) -> None:
+    @override
+    def after_optimizer_step(self, step: int, result: StepResult) -> None:
         assert self.tracker is not None
-        self.tracker.update(result.expert_load, result.soft_load)
+        if result.expert_load is not None and result.soft_load is not None:
+            self.tracker.update(result.expert_load, result.soft_load)
 
     def shares(self) -> torch.Tensor:
         """Popularity ``[layers, experts]`` normalised per layer (one host copy)."""

@@ -1,10 +1,15 @@
 """``SparseCheckpointing``: per-iteration snapshots as a Lightning callback (Trainer and Fabric).
 
-Trainer: ``L.Trainer(callbacks=[SparseCheckpointing("moevement")], ...)`` with
-:class:`~lightning_moe_ckpt.training.MoELanguageModule`; the callback attaches to the
-module's engine when training starts. Fabric: call :meth:`SparseCheckpointing.attach`
-with the rank's engine after ``fabric.launch()`` and :meth:`SparseCheckpointing.close`
-at the end. The policy is any of ``moevement`` (default), ``gemini``, ``checkfreq``,
+Trainer: ``L.Trainer(callbacks=[SparseCheckpointing("moevement")], ...)`` with any
+LightningModule and its one torch optimizer (automatic or manual optimization); the
+callback discovers the operators of the module (``operators=`` overrides the rules),
+follows the optimizer's steps and logs each batch for replay
+(:class:`~lightning_moe_ckpt.targets.lightning.LightningTarget`). The built-in
+:class:`~lightning_moe_ckpt.training.MoELanguageModule` brings its own engine. Fabric:
+``step = checkpointing.protect(fabric, model, optimizer, step_fn)`` and call ``step(batch)``
+in the loop (:class:`~lightning_moe_ckpt.targets.fabric.FabricTarget`), or
+:meth:`SparseCheckpointing.attach` an engine; :meth:`SparseCheckpointing.close` at the end.
+The policy is any of ``moevement`` (default), ``gemini``, ``checkfreq``,
 ``moc``, ``moetion``, ``none``; its options are the planner's keyword options (unknown ones
 are errors naming ``checkpoint.<key>``).
 
@@ -17,6 +22,7 @@ snapshot bytes, stall ms, W, reorders, replication lag.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -29,10 +35,18 @@ from lightning_moe_ckpt.checkpoint.planners import CapturePlan, make_planner, pl
 from lightning_moe_ckpt.checkpoint.profiler import IterationProfiler, measure_bandwidth
 from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
 from lightning_moe_ckpt.errors import fmt, require
+from lightning_moe_ckpt.operators import OperatorOverride
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
-from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.strategies.trainer import MoEParallelStrategy
+from lightning_moe_ckpt.targets.base import StepHooks, StepResult, TrainingTarget
+from lightning_moe_ckpt.targets.fabric import FabricTarget, ProtectedStep, StepFunction
+from lightning_moe_ckpt.targets.lightning import LightningTarget
+from lightning_moe_ckpt.targets.telemetry import RouterParser
+from lightning_moe_ckpt.targets.user_loop import UserLoopTarget
+from lightning_moe_ckpt.training.lightning_module import MoELanguageModule
 
 _BANDWIDTH_PROBE_BYTES = 32 * 2**20
+_ONE = torch.ones(())  # the clip coefficient of a loop that does not clip
 
 
 def _agree_on_largest(window: int) -> int:
@@ -41,7 +55,7 @@ def _agree_on_largest(window: int) -> int:
     return int(value)
 
 
-class _ProfilingHook:
+class _ProfilingHook(StepHooks):
     """Measures the iteration period and, once warm, hands the planner its profile."""
 
     def __init__(self, coordinator: CheckpointCoordinator, warmup: int,
@@ -51,10 +65,8 @@ class _ProfilingHook:
         self.device = device
         self.profiler.begin()
 
-    def before_optimizer_step(self, step: int) -> None:
-        return None
-
-    def after_optimizer_step(self, step: int, result: Any) -> None:
+    @override
+    def after_optimizer_step(self, step: int, result: StepResult) -> None:
         if self.profiler.done:
             return
         self.profiler.end()
@@ -68,13 +80,20 @@ class _ProfilingHook:
                                         "bandwidth_bytes_per_s": bandwidth}
 
 
-class SparseCheckpointing(L.Callback):
-    """Sparse (or baseline) per-iteration checkpointing of every rank's state."""
+class SparseCheckpointing(L.Callback, StepHooks):
+    """Sparse (or baseline) per-iteration checkpointing of every rank's state.
+
+    ``operators`` overrides operator discovery for a user's model (a mapping of
+    parameter-name patterns to operator names, or ``(name, param) -> name | None``);
+    ``top_k`` and ``router_parser`` help routing telemetry read routers the built-in
+    parsing does not understand (see :mod:`~lightning_moe_ckpt.targets.telemetry`).
+    """
 
     def __init__(self, policy: str = "moevement", replicas: int = 2,
                  warmup_iterations: int = 3, durable_every: int | None = None,
                  durable_dir: str | None = None, upstream_logging: bool = True,
-                 **options: Any) -> None:
+                 operators: OperatorOverride | None = None, top_k: int | None = None,
+                 router_parser: RouterParser | None = None, **options: Any) -> None:
         known = planner_options(policy)  # raises for an unknown policy
         unknown = sorted(set(options) - known)
         require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)}"
@@ -99,6 +118,10 @@ class SparseCheckpointing(L.Callback):
         self.warmup_iterations = warmup_iterations
         self.options = options
         self.coordinator: CheckpointCoordinator | None = None
+        self.target: TrainingTarget | None = None
+        self.operators = operators
+        self.top_k = top_k
+        self.router_parser = router_parser
         # Pipeline-boundary activations/gradients and per-iteration scalars since the
         # older window's start: what localized recovery replays a failed stage from.
         self.upstream_log = UpstreamLog() if upstream_logging else None
@@ -111,45 +134,73 @@ class SparseCheckpointing(L.Callback):
     def state_key(self) -> str:
         return f"SparseCheckpointing[{self.policy}]"
 
-    def attach(self, engine: TrainingEngine, *, rank: int = 0, world_size: int = 1,
+    def attach(self, target: TrainingTarget, *, rank: int = 0, world_size: int = 1,
                ranks_per_node: int = 1, device: torch.device | None = None,
                copy_delay_s: float = 0.0) -> CheckpointCoordinator:
-        """Start checkpointing ``engine`` (takes the initial dense snapshot now)."""
+        """Start checkpointing ``target`` (takes the initial dense snapshot now)."""
+        if self.coordinator is not None:
+            if self.target is target:
+                return self.coordinator
+            raise RuntimeError("this SparseCheckpointing already protects another model")
         device = device if device is not None else torch.device("cpu")
-        registry = engine.registry
+        registry = target.registry
         options = dict(self.options)
         accepted = planner_options(self.policy)
-        model = engine.settings.model
-        for key, value in (("n_layers", model.n_layers), ("n_experts", model.n_experts),
-                           ("top_k", model.top_k)):
-            if key in accepted:
+        n_layers, n_experts = target.layout.n_layers, target.layout.n_experts
+        top_k = target.top_k if target.top_k is not None else self.top_k
+        for key, value in (("n_layers", n_layers), ("n_experts", n_experts),
+                           ("top_k", top_k)):
+            if key in accepted and value is not None:
                 options.setdefault(key, value)
         if "window_agreement" in accepted and world_size > 1:
             options["window_agreement"] = _agree_on_largest
         if "interval_agreement" in accepted and world_size > 1:  # measured k: all ranks alike
             options["interval_agreement"] = _agree_on_largest
-        planner = make_planner(self.policy, specs_from_registry(registry), **options)
+        planner = make_planner(self.policy, specs_from_registry(registry, target.state),
+                               **options)
         if self._pending_state is not None and self._pending_state.get("planner") is not None:
             planner.load_state_dict(self._pending_state["planner"])  # resumed from a checkpoint
             self._pending_state = None
         # The state before the next step, kept (and replicated) as the first checkpoint.
-        before = engine.step - 1
-        self._first_step = engine.step
+        before = target.step - 1
+        self._first_step = target.step
         initial = CapturePlan(before, tuple(registry.names), (), before, 0, 1, None)
         persist_dir = None
         if self.policy == "checkfreq":  # CheckFreq persists its dense snapshots to disk
             persist_dir = f"{self.durable_dir or 'checkfreq'}/checkfreq/rank{rank:05d}"
+        self.target = target
         self.coordinator = CheckpointCoordinator(
-            engine, planner, rank, world_size, self.replicas, ranks_per_node, device,
+            target, planner, rank, world_size, self.replicas, ranks_per_node, device,
             copy_delay_s, initial_plan=initial, persist_dir=persist_dir)
+        if target.batch_log is not None:
+            self.coordinator.store.release_listeners.append(target.batch_log.release_before)
         if self.upstream_log is not None:
-            engine.hooks.append(self)
+            target.hooks.append(self)
             self.coordinator.store.release_listeners.append(self.upstream_log.release_before)
-        if hasattr(planner, "set_profile") and options.get("window") is None:
-            engine.hooks.append(_ProfilingHook(self.coordinator, self.warmup_iterations,
+        if planner.wants_profile and options.get("window") is None:
+            target.hooks.append(_ProfilingHook(self.coordinator, self.warmup_iterations,
                                                device))
         self._started = time.perf_counter()
         return self.coordinator
+
+    def protect(self, fabric: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                step_fn: StepFunction, schedulers: Sequence[Any] = ()) -> ProtectedStep:
+        """Fabric: protect ``model``/``optimizer`` (as ``fabric.setup`` returned them),
+        trained by ``step_fn(batch)`` (forward, ``fabric.backward``, ``optimizer.step()``);
+        call the returned step with each batch instead of ``step_fn``."""
+        target = FabricTarget(fabric, model, optimizer, step_fn, schedulers, self.operators,
+                              self.top_k, self.router_parser)
+        self.attach(target, rank=fabric.global_rank, world_size=fabric.world_size,
+                    ranks_per_node=max(1, fabric.world_size // max(1, fabric.num_nodes)),
+                    device=fabric.device)
+        return ProtectedStep(target)
+
+    def operator_names(self) -> list[str]:
+        """This rank's operator names (available once training started)."""
+        if self.target is None:
+            raise RuntimeError("operator_names() is available once training started "
+                               "(SparseCheckpointing attaches in on_train_start)")
+        return list(self.target.registry.names)
 
     def hook_into(self, core: Any) -> None:
         """Log pipeline-boundary tensors of the strategy ``core`` (before its engine is
@@ -157,18 +208,19 @@ class SparseCheckpointing(L.Callback):
         if self.upstream_log is not None and self.upstream_log not in core.boundary_hooks:
             self.upstream_log.attach(core.boundary_hooks)
 
-    def before_optimizer_step(self, step: int) -> None:
-        return None
-
-    def after_optimizer_step(self, step: int, result: Any) -> None:
+    @override
+    def after_optimizer_step(self, step: int, result: StepResult) -> None:
         if self.upstream_log is not None:
-            self.upstream_log.log_scalars(step, result.clip_coef, 1.0, result.lr)
+            clip = result.clip_coef if result.clip_coef is not None else _ONE
+            self.upstream_log.log_scalars(step, clip, 1.0, result.lr)
             self._upstream_log_peak = max(self._upstream_log_peak, self.upstream_log.nbytes())
 
     def close(self) -> None:
         """Finish outstanding copies and replication."""
         if self.coordinator is not None:
             self.coordinator.close()
+        if isinstance(self.target, UserLoopTarget):
+            self.target.close()
 
     def metrics(self, train_seconds: float) -> dict[str, Any]:
         """Checkpoint figures for ``metrics.json`` (empty before :meth:`attach`)."""
@@ -176,12 +228,21 @@ class SparseCheckpointing(L.Callback):
             return {}
         figures = self.coordinator.metrics(train_seconds)
         planner = self.coordinator.planner
-        figures["reorders"] = getattr(planner, "reorders", 0)
+        figures["reorders"] = planner.reorders
         # Dense policies' checkpoint interval and partial policies' experts per layer (K),
         # as in force at the end: what the simulator is calibrated with (recipes/bench.py).
-        figures["interval"] = getattr(planner, "interval", None)
-        figures["experts_per_layer"] = getattr(planner, "experts_per_layer", None)
-        figures["profile"] = getattr(self.coordinator, "profile", None)
+        figures["interval"] = planner.interval
+        figures["experts_per_layer"] = planner.experts_per_layer
+        figures["profile"] = self.coordinator.profile
+        target = self.coordinator.target
+        # Dense state: every operator's compute weights and master state, measured now.
+        specs = specs_from_registry(target.registry, target.state)
+        figures["dense_state_bytes"] = sum(s.compute_bytes + s.master_state_bytes
+                                           for s in specs)
+        figures["operators"] = len(specs)
+        figures["routing_telemetry"] = target.routing_source
+        if target.batch_log is not None:
+            figures["batch_log_bytes_peak"] = target.batch_log.peak_bytes
         figures["durable_checkpoints"] = list(self.durable_saved)
         figures["upstream_log_bytes_peak"] = self._upstream_log_peak
         return figures
@@ -197,25 +258,34 @@ class SparseCheckpointing(L.Callback):
             "checkpoint/stall_ms": 1e3 * (coordinator.stall_per_step[-1]
                                           if coordinator.stall_per_step else 0.0),
             "checkpoint/window": float(coordinator.current_window or 0),
-            "checkpoint/reorders": float(getattr(coordinator.planner, "reorders", 0)),
+            "checkpoint/reorders": float(coordinator.planner.reorders),
             "checkpoint/replication_lag": float(replicator.lag if replicator else 0),
             "checkpoint/host_bytes": float(coordinator.store.host_bytes()),
         }
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        core = getattr(trainer.strategy, "core", None)
-        if core is not None:
-            self.hook_into(core)
+        if isinstance(trainer.strategy, MoEParallelStrategy):
+            self.hook_into(trainer.strategy.core)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        engine = getattr(pl_module, "engine", None)
-        if not isinstance(engine, TrainingEngine):
-            raise TypeError("SparseCheckpointing needs a module with a TrainingEngine "
-                            "(e.g. MoELanguageModule)")
-        self.attach(engine, rank=trainer.global_rank, world_size=trainer.world_size,
+        if self.target is not None:
+            return  # attached already (FailureInjector listed first)
+        if isinstance(pl_module, MoELanguageModule):
+            target: TrainingTarget = pl_module.engine_or_raise()
+        else:
+            target = LightningTarget(trainer, pl_module, self.operators, self.top_k,
+                                     self.router_parser)
+            target.set_step(trainer.global_step)
+        self.attach(target, rank=trainer.global_rank, world_size=trainer.world_size,
                     ranks_per_node=max(1, trainer.num_devices), device=pl_module.device)
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        if isinstance(self.target, LightningTarget):
+            self.target.start_iteration(batch, batch_idx)
 
     def durable_due(self) -> bool:
         """Whether a window persisted since the last call and it is the durable_every-th."""

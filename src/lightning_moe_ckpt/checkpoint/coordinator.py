@@ -1,6 +1,8 @@
 """Per-rank checkpoint coordinator: planner, snapshot engine, store and replication.
 
-The coordinator is a step hook of the rank's :class:`TrainingEngine`:
+The coordinator is a step hook of the rank's
+:class:`~lightning_moe_ckpt.targets.base.TrainingTarget` (the built-in engine, a user's
+LightningModule or a Fabric loop):
 
 * before optimizer step ``t`` it waits for the copies of SS_{t-1} (measured stall);
 * after step ``t`` it feeds the iteration's routing counts to the planner, issues SS_t
@@ -14,8 +16,12 @@ exact state to recover from.
 
 Partial-expert policies (a planner with ``restores_partially``) get stores that also keep
 each operator's newest save (:mod:`~lightning_moe_ckpt.checkpoint.retention`), and a
-planner with ``capacity_factors()`` (MoEtion's boost for stale experts) has them handed
-to the model's MoE layers after every step, as device tensors (no host sync).
+planner's ``capacity_factors()`` (MoEtion's boost for stale experts) are handed to the
+target's MoE layers after every step, as device tensors (no host sync), where the target
+supports capacity factors.
+
+Recovery sees the coordinator through its public surface: :meth:`drain`,
+:meth:`lose_host_state`, :meth:`restart`, the store, the replicator and the target.
 """
 
 from __future__ import annotations
@@ -26,31 +32,33 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+from typing_extensions import override
 
 from lightning_moe_ckpt.checkpoint.persist import DiskPersister
 from lightning_moe_ckpt.checkpoint.replication import Replicator
 from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
-from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, SnapshotEngine, rng_state
+from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
+from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, SnapshotEngine
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
+from lightning_moe_ckpt.targets.base import StepHooks, StepResult, TrainingTarget
 
 if TYPE_CHECKING:
     from lightning_moe_ckpt.checkpoint.planners import CapturePlan, Planner
-    from lightning_moe_ckpt.training.core import IterationResult
-    from lightning_moe_ckpt.training.engine import TrainingEngine
 
 
-class CheckpointCoordinator:
+class CheckpointCoordinator(StepHooks):
     """Drives sparse (or dense) snapshots of one rank around its optimizer steps."""
 
-    def __init__(self, engine: TrainingEngine, planner: Planner, rank: int, world_size: int,
+    def __init__(self, target: TrainingTarget, planner: Planner, rank: int, world_size: int,
                  replicas: int, ranks_per_node: int, device: torch.device,
                  copy_delay_s: float = 0.0, initial_plan: CapturePlan | None = None,
                  persist_dir: str | None = None) -> None:
-        self.engine = engine
+        self.target = target
         self.planner = planner
         self.rank = rank
+        self.world_size = world_size
         self.pool = HostBufferPool(pin_memory=device.type == "cuda")
-        self.snapshots = SnapshotEngine(engine.registry, engine.optimizer, rank, device,
+        self.snapshots = SnapshotEngine(target.registry, target.state, rank, device,
                                         self.pool, copy_delay_s)
         effective = min(replicas, world_size - 1)
         self._acks: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
@@ -58,7 +66,7 @@ class CheckpointCoordinator:
         # A snapshot persists by replication to peers, or (CheckFreq) by a write to disk.
         self.persister = DiskPersister(persist_dir, acknowledge) if persist_dir else None
         # Partial restores need every operator's newest save, however old.
-        partial = bool(getattr(planner, "restores_partially", False))
+        partial = planner.restores_partially
         store_type = RetainingSnapshotStore if partial else SnapshotStore
         self.store = store_type(self.pool, 1 if self.persister else effective)
         self.replicator = (Replicator(effective, ranks_per_node, acknowledge,
@@ -73,32 +81,39 @@ class CheckpointCoordinator:
         self.current_window: int | None = None
         self.profile: dict[str, float] | None = None
         self._snapshot_taken = False
+        self._specs_measured = False
         self.max_replication_lag = 0
         self._period_s: float | None = None
         self._last_step_end: float | None = None
-        engine.hooks.append(self)
+        target.hooks.append(self)
         if initial_plan is not None:
             self._take(initial_plan, result=None)
 
+    @override
     def before_optimizer_step(self, step: int) -> None:
         stall = self.snapshots.wait_copies()
         self.stall_per_step.append(stall)
-        record_overhead = getattr(self.planner, "record_overhead", None)
-        if record_overhead is not None and self._snapshot_taken and self._period_s:
+        if self._snapshot_taken and self._period_s:
             # Dense policies adapt their interval to the measured cost of a snapshot.
-            record_overhead(self._period_s, stall)
+            self.planner.record_overhead(self._period_s, stall)
 
-    def after_optimizer_step(self, step: int, result: IterationResult) -> None:
+    @override
+    def after_optimizer_step(self, step: int, result: StepResult) -> None:
         now = time.perf_counter()
         self._period_s = now - self._last_step_end if self._last_step_end else None
         self._last_step_end = now
-        self.planner.observe(step, result.expert_load, result.soft_load)
+        if not self._specs_measured:  # optimizer state exists from the first step on
+            self.planner.update_specs(specs_from_registry(self.target.registry,
+                                                          self.target.state))
+            self._specs_measured = True
+        if result.expert_load is not None and result.soft_load is not None:
+            self.planner.observe(step, result.expert_load, result.soft_load)
         self.apply_capacity_factors()
         plan = self.planner.plan(step)
         taken = self._take(plan, result) if plan is not None else 0
         self._snapshot_taken = plan is not None
         self.bytes_per_step.append(taken)
-        self._drain_acks()
+        self.drain_acks()
         self.store.refresh()
         if self.replicator is not None:
             self.max_replication_lag = max(self.max_replication_lag, self.replicator.lag)
@@ -106,12 +121,9 @@ class CheckpointCoordinator:
     def apply_capacity_factors(self) -> None:
         """Hand the planner's per-expert capacity factors (if it has any) to the MoE
         layers for the next iteration; they stay on the device."""
-        factors_of = getattr(self.planner, "capacity_factors", None)
-        if factors_of is None:
-            return
-        factors = factors_of()
-        for layer, moe in self.engine.model.moe_layers().items():
-            moe.capacity_scale = factors[layer]
+        factors = self.planner.capacity_factors()
+        if factors is not None and self.target.supports_capacity_factors:
+            self.target.set_capacity_factors(factors)
 
     def take_base_snapshot(self) -> None:
         """Dense snapshot of the current state as a window of one (the initial state, or
@@ -119,11 +131,11 @@ class CheckpointCoordinator:
         window persists."""
         from lightning_moe_ckpt.checkpoint.planners import CapturePlan
 
-        step = self.engine.step - 1
-        names = tuple(self.engine.registry.names)
+        step = self.target.step - 1
+        names = tuple(self.target.registry.names)
         self._take(CapturePlan(step, names, (), step, 0, 1, None), result=None)
 
-    def _take(self, plan: CapturePlan, result: IterationResult | None) -> int:
+    def _take(self, plan: CapturePlan, result: StepResult | None) -> int:
         snapshot = self.snapshots.issue(plan, self._metadata(plan, result))
         self.store.add(snapshot)
         self.current_window = plan.window
@@ -134,26 +146,52 @@ class CheckpointCoordinator:
             self.persister.submit(snapshot)
         return snapshot.nbytes
 
-    def _metadata(self, plan: CapturePlan, result: IterationResult | None) -> dict[str, Any]:
-        engine = self.engine
+    def _metadata(self, plan: CapturePlan, result: StepResult | None) -> dict[str, Any]:
+        clip = None if result is None or result.clip_coef is None else result.clip_coef
         return {
             "step": plan.iteration, "window_start": plan.window_start,
             "window_index": plan.window_index, "window": plan.window,
             "schedule": plan.schedule, "data_position": plan.iteration + 1,
-            "lr_scheduler": engine.scheduler.state_dict(), "rng": rng_state(),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                             for g in engine.optimizer.param_groups],
-            "clip_coef": None if result is None else result.clip_coef.detach().cpu(),
+            **self.target.schedule_state(),
+            "clip_coef": None if clip is None else clip.detach().cpu(),
             "lr": None if result is None else result.lr,
         }
 
-    def _drain_acks(self) -> None:
+    def drain_acks(self) -> None:
+        """Mark what replication (or persistence) confirmed since the last call."""
         while True:
             try:
                 start, step = self._acks.get_nowait()
             except queue.Empty:
                 return
             self.store.mark_replicated(start, step)
+
+    def drain(self) -> None:
+        """Recovery prologue: every copy issued before the failure finished and was
+        checksummed, replication caught up, confirmed windows promoted."""
+        self.snapshots.wait_copies()
+        for record in self.store.windows.values():
+            for snapshot in record.snapshots.values():
+                snapshot.checksummed.wait()
+        if self.replicator is not None:
+            self.replicator.drain()
+        self.drain_acks()
+        self.store.refresh()
+
+    def lose_host_state(self) -> None:
+        """What a dead worker's host memory held is gone: its snapshots and the replicas
+        it held for its peers."""
+        self.store.discard_all()
+        if self.replicator is not None:
+            self.replicator.replicas.windows.clear()
+
+    def restart(self, failed_step: int) -> None:
+        """After a recovery: old windows are superseded, the planner starts a new window
+        at ``failed_step``, and a dense base snapshot is the recovery point until it
+        persists."""
+        self.store.discard_all()
+        self.planner.on_recovery(failed_step)
+        self.take_base_snapshot()
 
     def flush(self) -> None:
         """Wait for outstanding copies and replication; promote what persisted."""
@@ -167,7 +205,7 @@ class CheckpointCoordinator:
             self.replicator = None
         if self.persister is not None:
             self.persister.close()
-        self._drain_acks()
+        self.drain_acks()
         self.store.refresh()
 
     def close(self) -> None:

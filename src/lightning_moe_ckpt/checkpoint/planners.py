@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from typing_extensions import override
@@ -52,46 +52,70 @@ class CapturePlan:
     schedule: dict[str, Any] | None  # WindowSchedule.to_dict() for moevement, else None
 
 
-class Planner(Protocol):
-    """A checkpoint policy's capture decisions."""
+class BasePlanner:
+    """A checkpoint policy's capture decisions, and the capabilities it declares.
 
-    name: str
+    Defaults: telemetry ignored, nothing to save, recovery changes nothing, no profile
+    wanted, no overhead feedback, every recovery exact (no partial restore), no expert
+    capacity factors.
+    """
+
+    name = ""
+    # Capabilities the coordinator, callbacks and recovery consult (never probed).
+    wants_profile = False  # set_profile() takes the measured iteration time/bandwidth
+    restores_partially = False  # recovers by restoring per-operator saves (MoC, MoEtion)
+    reorders = 0  # window reorders so far (moevement)
+    interval: int | None = None  # dense policies' checkpoint interval in iterations
+    experts_per_layer: int | None = None  # partial policies' K
 
     def plan(self, iteration: int) -> CapturePlan | None:
         """The snapshot to take after optimizer step ``iteration`` (None: no snapshot)."""
-
-    def observe(self, iteration: int, hard_counts: torch.Tensor,
-                soft_counts: torch.Tensor) -> None:
-        """Routing telemetry of ``iteration`` (``[layers, experts]`` device tensors)."""
-
-    def on_recovery(self, iteration: int) -> None:
-        """Training was restored to the state after step ``iteration``."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, d: dict[str, Any]) -> None: ...
-
-
-class BasePlanner:
-    """Defaults: telemetry ignored, nothing to save, recovery changes nothing."""
-
-    name = ""
-
-    def plan(self, iteration: int) -> CapturePlan | None:
         raise NotImplementedError
 
     def observe(self, iteration: int, hard_counts: torch.Tensor,
                 soft_counts: torch.Tensor) -> None:
+        """Routing telemetry of ``iteration`` (``[layers, experts]`` device tensors)."""
         return None
 
     def on_recovery(self, iteration: int) -> None:
+        """Training was restored to the state after step ``iteration``."""
         return None
 
+    def set_profile(self, iteration_time_s: float, bandwidth_bytes_per_s: float) -> None:
+        """Measured iteration time and device-to-host bandwidth (``wants_profile``)."""
+        return None
+
+    def update_specs(self, specs: Sequence[OperatorSpec]) -> None:
+        """Byte sizes measured from the live optimizer (its state exists only after the
+        first step); planners that size snapshots use them from the next window on."""
+        return None
+
+    def record_overhead(self, iteration_time_s: float, snapshot_time_s: float) -> None:
+        """Measured cost of the last snapshot (dense policies adapt their interval)."""
+        return None
+
+    def capacity_factors(self) -> torch.Tensor | None:
+        """Per-``[layer, expert]`` capacity factors for the next iteration, if any."""
+        return None
+
+    def lost_tokens(self) -> int:
+        """Expert assignments whose update a partial restore lost (exact policies: 0)."""
+        return 0
+
+    def lost_token_portion(self) -> float:
+        """The lost tokens as a portion of all assignments (exact policies: 0)."""
+        return 0.0
+
     def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue planning."""
         return {}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`."""
         return None
+
+
+Planner = BasePlanner
 
 
 @dataclass(frozen=True)
@@ -165,6 +189,7 @@ class MoEvementPlanner(BasePlanner):
     """
 
     name = "moevement"
+    wants_profile = True
 
     def __init__(self, specs: Sequence[OperatorSpec], *, iteration_time_s: float | None = None,
                  bandwidth_bytes_per_s: float | None = None, window: int | None = None,
@@ -200,9 +225,19 @@ class MoEvementPlanner(BasePlanner):
         self._stale = True  # schedule must be rebuilt at the next boundary
         self._ordered_by: dict[str, float] | None = None
 
+    @override
     def set_profile(self, iteration_time_s: float, bandwidth_bytes_per_s: float) -> None:
         """New measured inputs; used from the next window on."""
         self.profile = (float(iteration_time_s), float(bandwidth_bytes_per_s))
+        self._stale = True
+
+    @override
+    def update_specs(self, specs: Sequence[OperatorSpec]) -> None:
+        for spec in specs:
+            if spec.name in self.specs:  # sizes change, learned popularity stays
+                self.specs[spec.name] = replace(
+                    self.specs[spec.name], compute_bytes=spec.compute_bytes,
+                    master_state_bytes=spec.master_state_bytes)
         self._stale = True
 
     @override

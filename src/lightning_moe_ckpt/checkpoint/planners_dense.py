@@ -80,6 +80,8 @@ def checkfreq_interval(iteration_time_s: float, snapshot_time_s: float,
 class _DensePlanner(BasePlanner):
     """Every operator's master state every ``interval`` iterations."""
 
+    interval: int
+
     def __init__(self, specs: Sequence[OperatorSpec], interval: int,
                  interval_agreement: IntervalAgreement | None = None) -> None:
         self.operators = tuple(spec.name for spec in specs)

@@ -53,6 +53,7 @@ class _PartialPlanner(BasePlanner):
     """Shared bookkeeping: layout, last saves, device token counters, lost tokens."""
 
     restores_partially = True  # recovery restores stale experts instead of replaying
+    experts_per_layer: int
 
     def __init__(self, specs: Sequence[OperatorSpec], experts_per_layer: int,
                  n_layers: int | None, n_experts: int | None) -> None:

@@ -19,21 +19,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_moe_ckpt.errors import fmt, require
-from lightning_moe_ckpt.operators import OperatorRegistry
-
-_EXPERT_NAME = re.compile(r"^layers\.(\d+)\.moe\.experts\.(\d+)$")
-
-
-def expert_position(name: str) -> tuple[int, int] | None:
-    """``(layer, expert)`` of a routed-expert operator name, ``None`` for any other operator."""
-    match = _EXPERT_NAME.match(name)
-    return (int(match[1]), int(match[2])) if match else None
+from lightning_moe_ckpt.operators import OperatorRegistry, expert_position
+from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
 
 
 @dataclass(frozen=True)
@@ -55,9 +47,12 @@ class OperatorSpec:
 
 
 def specs_from_registry(registry: OperatorRegistry,
+                        state: OptimizerStateAccess | None = None,
                         popularity: Mapping[str, float] | None = None,
                         expert_default: float = 0.0) -> tuple[OperatorSpec, ...]:
-    """Specs of a registry's operators in model order with their exact byte sizes.
+    """Specs of a registry's operators in model order with their byte sizes: compute
+    weights from the parameters, master state measured from ``state`` (the live
+    optimizer; nominal AdamW sizes without one).
 
     Experts take their popularity from ``popularity`` (``expert_default`` when absent);
     every other operator processes every token and gets 1.0.
@@ -66,8 +61,10 @@ def specs_from_registry(registry: OperatorRegistry,
     specs = []
     for op in registry:
         nbytes = op.nbytes
+        master_state = (nbytes.master_state if state is None else
+                        sum(state.master_state_bytes(piece) for piece in op.pieces))
         share = popularity.get(op.name, expert_default) if op.kind == "expert" else 1.0
-        specs.append(OperatorSpec(op.name, nbytes.compute, nbytes.master_state, float(share)))
+        specs.append(OperatorSpec(op.name, nbytes.compute, master_state, float(share)))
     return tuple(specs)
 
 

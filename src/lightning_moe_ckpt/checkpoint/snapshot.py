@@ -1,7 +1,8 @@
 """Snapshot engine: copies SS_t to host memory while iteration t+1 computes.
 
 After optimizer step ``t`` the engine issues the copies a :class:`CapturePlan` asks for:
-master state (fp32 master weights, AdamW moments and step counters) of the plan's
+master state (master weights and optimizer state, read through
+:class:`~lightning_moe_ckpt.optimizer_state.OptimizerStateAccess`) of the plan's
 ``master`` operators and compute weights of its ``compute`` operators. The copies overlap
 the next iteration's forward/backward, which only reads those tensors; right before
 optimizer step ``t+1`` mutates them the engine waits for the copies to finish and counts
@@ -24,7 +25,7 @@ import threading
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
@@ -32,12 +33,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from lightning_moe_ckpt.operators import OperatorRegistry
-from lightning_moe_ckpt.precision import MasterWeightAdamW
+from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
 
 if TYPE_CHECKING:
     from lightning_moe_ckpt.checkpoint.planners import CapturePlan
 
-MASTER_FIELDS = ("master", "exp_avg", "exp_avg_sq", "step")
 PieceKind = Literal["master", "compute"]
 
 
@@ -119,29 +119,24 @@ class HostBufferPool:
         snapshot.pieces = {}
 
 
-def _sources(registry: OperatorRegistry, optimizer: MasterWeightAdamW, operator: str,
+def _sources(registry: OperatorRegistry, state: OptimizerStateAccess, operator: str,
              kind: PieceKind) -> dict[str, torch.Tensor]:
-    """The live tensors a piece copies."""
+    """The live tensors a snapshot piece of ``operator`` copies."""
     sources: dict[str, torch.Tensor] = {}
-    for name, param in registry[operator].params:
-        if kind == "compute":
-            sources[name] = param.detach()
-            continue
-        master = optimizer.master[name]
-        sources[f"{name}/master"] = master.detach()
-        for key, value in optimizer.inner.state.get(master, {}).items():
-            sources[f"{name}/{key}"] = value
+    read = state.compute_sources if kind == "compute" else state.master_sources
+    for piece in registry[operator].pieces:
+        sources.update(read(piece))
     return sources
 
 
 class SnapshotEngine:
     """Issues, overlaps and waits for the per-iteration snapshot copies of one rank."""
 
-    def __init__(self, registry: OperatorRegistry, optimizer: MasterWeightAdamW, rank: int,
+    def __init__(self, registry: OperatorRegistry, state: OptimizerStateAccess, rank: int,
                  device: torch.device, pool: HostBufferPool | None = None,
                  copy_delay_s: float = 0.0) -> None:
         self.registry = registry
-        self.optimizer = optimizer
+        self.state = state
         self.rank = rank
         self.cuda = device.type == "cuda"
         self.pool = pool if pool is not None else HostBufferPool(pin_memory=self.cuda)
@@ -165,7 +160,7 @@ class SnapshotEngine:
                 if operator not in self.registry:
                     continue  # held by another rank
                 tensors: dict[str, torch.Tensor] = {}
-                for name, source in _sources(self.registry, self.optimizer, operator,
+                for name, source in _sources(self.registry, self.state, operator,
                                              kind).items():  # type: ignore[arg-type]
                     target = self.pool.acquire(name, source)
                     tensors[name] = target
@@ -237,4 +232,8 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-MetadataFn = Callable[[int], dict[str, Any]]
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Inverse of :func:`rng_state`."""
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

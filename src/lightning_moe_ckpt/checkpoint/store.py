@@ -109,6 +109,13 @@ class SnapshotStore:
                 self.pool.release(snapshot)
         self.persisted_start = None
 
+    def discard_except(self, start: int) -> None:
+        """Drop every window but the one starting at ``start`` (a single process keeps
+        the window it recovers from; the in-flight one died with the failure)."""
+        for other in [s for s in self.windows if s != start]:
+            for snapshot in self.windows.pop(other).snapshots.values():
+                self.pool.release(snapshot)
+
     def persisted(self) -> WindowRecord | None:
         """The newest persisted window, if any."""
         return None if self.persisted_start is None else self.windows[self.persisted_start]

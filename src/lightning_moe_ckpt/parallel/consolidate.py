@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_moe_ckpt.operators import operator_of
+from lightning_moe_ckpt.operators import is_expert_parameter
 from lightning_moe_ckpt.parallel.engine import full_model_parameter_names
 from lightning_moe_ckpt.parallel.topology import Coordinates
 from lightning_moe_ckpt.training.engine import TrainingEngine
@@ -26,7 +26,7 @@ def gather_consolidated_state(engine: TrainingEngine, coords: Coordinates,
     local = consolidated_state(engine.model, engine.optimizer, step)
 
     def owned(name: str) -> bool:
-        return coords.dp == 0 and (operator_of(name)[1] == "expert" or coords.ep == 0)
+        return coords.dp == 0 and (is_expert_parameter(name) or coords.ep == 0)
 
     mine = {section: {n: v for n, v in local[section].items() if owned(n)}
             for section in ("model", "compute", "optimizer")}

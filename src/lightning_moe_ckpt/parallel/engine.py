@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe_ckpt.models.transformer import MoETransformer
-from lightning_moe_ckpt.operators import operator_of
+from lightning_moe_ckpt.operators import is_expert_parameter
 from lightning_moe_ckpt.parallel.expert_parallel import enable_expert_parallel
 from lightning_moe_ckpt.parallel.partition import build_rank_model, stage_modules
 from lightning_moe_ckpt.parallel.pipeline import BoundaryHook, PipelineRunner
@@ -77,7 +77,7 @@ class DistributedExecutor:
         self.index = {name: i for i, name in enumerate(full_names)}
         self.n_layers = n_layers
         names = [name for name, _ in model.named_parameters()]
-        self.is_expert = {name: operator_of(name)[1] == "expert" for name in names}
+        self.is_expert = {name: is_expert_parameter(name) for name in names}
         # Each parameter's norm is contributed by exactly one of its replicas.
         self.owns_norm = {name: coords.dp == 0 and (self.is_expert[name] or coords.ep == 0)
                           for name in names}

@@ -21,17 +21,16 @@ for the baselines.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
 
 from lightning_moe_ckpt.checkpoint.codec import CorruptCheckpointError, decode_snapshot
 from lightning_moe_ckpt.checkpoint.planners_dense import CheckFreqPlanner, GeminiPlanner
-from lightning_moe_ckpt.recovery.global_rollback import global_rollback, restart_windows
+from lightning_moe_ckpt.recovery.global_rollback import global_rollback
 from lightning_moe_ckpt.recovery.partial_restore import partial_restore
 from lightning_moe_ckpt.recovery.replay import (
-    Batch,
     RecoveryReport,
     SnapshotView,
     recover_from_store,
@@ -39,29 +38,26 @@ from lightning_moe_ckpt.recovery.replay import (
     sparse_to_dense,
 )
 
-BatchFn = Callable[[int], Batch]
-
 
 def is_baseline(planner: Any) -> bool:
     """Whether ``planner`` is a baseline policy with its own recovery."""
-    return bool(getattr(planner, "restores_partially", False)) or isinstance(
-        planner, GeminiPlanner | CheckFreqPlanner)
+    return planner.restores_partially or isinstance(planner, GeminiPlanner | CheckFreqPlanner)
 
 
-def recover_baseline(coordinator: Any, batch: BatchFn, failed_step: int,
+def recover_baseline(coordinator: Any, failed_step: int,
                      failed_ranks: Iterable[int], world_size: int) -> RecoveryReport:
     """Recover a baseline policy's run (collective when ``world_size > 1``)."""
     planner = coordinator.planner
-    if getattr(planner, "restores_partially", False):
-        return partial_restore(coordinator, batch, failed_step, failed_ranks)
+    if planner.restores_partially:
+        return partial_restore(coordinator, failed_step, failed_ranks)
     if world_size == 1:
-        return recover_from_store(coordinator, batch, failed_step)
+        return recover_from_store(coordinator, failed_step)
     if coordinator.persister is not None:
-        return disk_rollback(coordinator, batch, failed_step, failed_ranks)
-    return global_rollback(coordinator, batch, failed_step, failed_ranks)
+        return disk_rollback(coordinator, failed_step, failed_ranks)
+    return global_rollback(coordinator, failed_step, failed_ranks)
 
 
-def disk_rollback(coordinator: Any, batch: BatchFn, failed_step: int,
+def disk_rollback(coordinator: Any, failed_step: int,
                   failed_ranks: Iterable[int]) -> RecoveryReport:
     """CheckFreq: every rank rolls back to the newest dense snapshot all of them persisted
     to disk; survivors use their host copy, failed ranks read their own file (collective)."""
@@ -71,7 +67,7 @@ def disk_rollback(coordinator: Any, batch: BatchFn, failed_step: int,
     persister = coordinator.persister
     coordinator.snapshots.wait_copies()
     persister.drain()  # what was taken before the failure is on disk
-    coordinator._drain_acks()
+    coordinator.drain_acks()
     coordinator.store.refresh()
     if rank in failed:  # host memory gone; the disk survives
         coordinator.store.discard_all()
@@ -101,7 +97,7 @@ def disk_rollback(coordinator: Any, batch: BatchFn, failed_step: int,
     if any(errors):
         raise CorruptCheckpointError("; ".join(e for e in errors if e))
     fetched_at = time.perf_counter()
-    report = sparse_to_dense(coordinator.engine, views, batch, failed_step)
-    restart_windows(coordinator, failed_step)
+    report = sparse_to_dense(coordinator.target, views, failed_step)
+    coordinator.restart(failed_step)
     report.phases_s["fetch"] = fetched_at - started
     return report

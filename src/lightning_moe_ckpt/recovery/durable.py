@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from lightning_moe_ckpt.recovery.replay import Batch, RecoveryReport, set_step
-from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.recovery.replay import RecoveryReport
+from lightning_moe_ckpt.targets.base import TrainingTarget
 
 
 class NoUsableCheckpointError(RuntimeError):
@@ -49,9 +49,8 @@ def agree_on_durable(saved: Sequence[str], failed_step: int) -> str | None:
     return mine[max(steps)] if steps else None
 
 
-def recover_from_durable(trainer: Any, engine: TrainingEngine, saved: Sequence[str],
-                         batch: Callable[[int], Batch], failed_step: int,
-                         cause: Exception) -> RecoveryReport:
+def recover_from_durable(trainer: Any, engine: TrainingTarget, saved: Sequence[str],
+                         failed_step: int, cause: Exception) -> RecoveryReport:
     """Load the agreed durable checkpoint through ``trainer``'s strategy and replay to
     ``failed_step``; raises :class:`NoUsableCheckpointError` (chained to ``cause``) when
     there is no durable checkpoint to fall back to."""
@@ -76,14 +75,12 @@ def recover_from_durable(trainer: Any, engine: TrainingEngine, saved: Sequence[s
     report = RecoveryReport(start, 0, failed_step)
     report.phases_s["fetch"] = time.perf_counter() - started
     engine.registry.set_frozen(engine.registry.names, frozen=False)
-    set_step(engine, start)
-    hooks, engine.hooks = engine.hooks, []  # replay re-takes no snapshots
+    engine.set_step(start)
     replaying = time.perf_counter()
-    try:
+    with engine.hooks_suspended():  # replay re-takes no snapshots
         for step in range(start, failed_step):
-            engine.train_iteration(*batch(step))
+            engine.replay_iteration(step, None)
             report.replayed += 1
-    finally:
-        engine.hooks = hooks
+    engine.resume_at(failed_step)
     report.phases_s["replay"] = time.perf_counter() - replaying
     return report

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
+from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
 
 Phase = Literal["forward", "backward", "optimizer", "snapshot_copy", "replication",
                 "recovery"]
@@ -285,8 +286,8 @@ def destroy_rank_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
     """Destroy what a dead GPU worker loses, in place on this process.
 
     Parameters (compute weights) are overwritten with NaN or random values and lose their
-    gradients; master weights (an optimizer's ``master`` map, as
-    :class:`~lightning_moe_ckpt.precision.MasterWeightAdamW` keeps them) are garbled the
+    gradients; master weights (the copies a
+    :class:`~lightning_moe_ckpt.precision.MasterWeightOptimizer` keeps) are garbled the
     same way and the optimizer state is emptied; each callable in ``host_state_droppers``
     drops one local host store (snapshots, upstream log). Tensors are overwritten rather
     than replaced, so every reference the training objects hold sees the loss.
@@ -309,19 +310,14 @@ def destroy_rank_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
     masters: list[torch.Tensor] = []
     states = 0
     if optimizer is not None:
-        model_ids = {id(p) for p in params}
-        master_map = getattr(optimizer, "master", None)
-        if isinstance(master_map, Mapping):
-            # In fp32 mode the master weights are the parameters, already garbled.
-            masters = [m for m in master_map.values() if id(m) not in model_ids]
+        access = OptimizerStateAccess(optimizer)
+        # Masters that are the parameters themselves (fp32) are garbled already.
+        masters = [m for p in params if (m := access.master(p)) is not p]
         for master in masters:
             garble(master)
             master.grad = None
-        inner = getattr(optimizer, "inner", None)
-        for opt in (optimizer, inner):
-            if isinstance(opt, torch.optim.Optimizer):
-                states = max(states, len(opt.state))
-                opt.state.clear()
+        states = len(optimizer.state)
+        access.clear()
     droppers = list(host_state_droppers)
     for drop in droppers:
         drop()

@@ -21,14 +21,13 @@ failed iteration:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
 
 from lightning_moe_ckpt.checkpoint.replication import CorruptCheckpointError
 from lightning_moe_ckpt.recovery.replay import (
-    Batch,
     Cascade,
     RecoveryInterrupted,
     RecoveryReport,
@@ -52,16 +51,9 @@ def agree_on_window(coordinator: Any, failed: tuple[int, ...],
     of it.
     """
     rank = dist.get_rank()
-    replicator = coordinator.replicator
-    coordinator.snapshots.wait_copies()
-    if replicator is not None:
-        replicator.drain()
-    coordinator._drain_acks()
-    coordinator.store.refresh()
+    coordinator.drain()
     if rank in failed:  # a dead worker's host memory is gone: snapshots and held replicas
-        coordinator.store.discard_all()
-        if replicator is not None:
-            replicator.replicas.windows.clear()
+        coordinator.lose_host_state()
     starts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(starts, coordinator.store.persisted_start)
     live = [s for s in starts if s is not None]
@@ -116,15 +108,7 @@ def _previous_window(coordinator: Any, start: int) -> int | None:
     return max(older) if older else None
 
 
-def restart_windows(coordinator: Any, failed_step: int) -> None:
-    """After a recovery: old windows are superseded, the planner starts a new window at
-    ``failed_step``, and a dense base snapshot is the recovery point until it persists."""
-    coordinator.store.discard_all()
-    coordinator.planner.on_recovery(failed_step)
-    coordinator.take_base_snapshot()
-
-
-def global_rollback(coordinator: Any, batch: Callable[[int], Batch], failed_step: int,
+def global_rollback(coordinator: Any, failed_step: int,
                     failed_ranks: Iterable[int],
                     cascade: Cascade | None = None) -> RecoveryReport:
     """Roll every rank back to the common persisted window and replay to ``failed_step``.
@@ -135,32 +119,32 @@ def global_rollback(coordinator: Any, batch: Callable[[int], Batch], failed_step
     state gone too.
     """
     failed = tuple(sorted(set(failed_ranks)))
-    executor = coordinator.engine.executor
-    calls_before = getattr(executor, "forward_backward_calls", 0)
-    report = _global_round(coordinator, batch, failed_step, failed,
+    target = coordinator.target
+    calls_before = target.forward_backward_calls
+    report = _global_round(coordinator, failed_step, failed,
                            None if cascade is None else cascade.after_replayed)
     if cascade is not None:
         cascade.fail()
         dist.barrier()
-        second = _global_round(coordinator, batch, failed_step,
+        second = _global_round(coordinator, failed_step,
                                tuple(sorted(set(failed) | set(cascade.ranks))), None)
         second.merge_restart(report)
         report = second
     resuming = time.perf_counter()
-    restart_windows(coordinator, failed_step)
+    coordinator.restart(failed_step)
     report.phases_s["resume"] = time.perf_counter() - resuming
-    report.forward_backward_calls = getattr(executor, "forward_backward_calls", 0) - calls_before
+    report.forward_backward_calls = target.forward_backward_calls - calls_before
     return report
 
 
-def _global_round(coordinator: Any, batch: Callable[[int], Batch], failed_step: int,
+def _global_round(coordinator: Any, failed_step: int,
                   failed: tuple[int, ...], stop_after: int | None) -> RecoveryReport:
     started = time.perf_counter()
     _, views = agree_on_window(coordinator, failed, True)
     assert views is not None
     fetched_at = time.perf_counter()
     try:
-        report = sparse_to_dense(coordinator.engine, views, batch, failed_step,
+        report = sparse_to_dense(coordinator.target, views, failed_step,
                                  stop_after=stop_after)
     except RecoveryInterrupted as interrupted:
         report = interrupted.report

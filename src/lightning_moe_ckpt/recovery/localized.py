@@ -25,16 +25,15 @@ Interleaved schedules (several stages per pipeline rank) recover by global rollb
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
-from lightning_moe_ckpt.recovery.global_rollback import agree_on_window, restart_windows
+from lightning_moe_ckpt.recovery.global_rollback import agree_on_window
 from lightning_moe_ckpt.recovery.replay import (
-    Batch,
     Cascade,
     RecoveryInterrupted,
     RecoveryReport,
@@ -62,7 +61,7 @@ def _neighbour_logs(log: UpstreamLog, plan: ParallelPlan, coords: Coordinates,
 
 
 def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
-                       coords: Coordinates, batch: Callable[[int], Batch], failed_step: int,
+                       coords: Coordinates, failed_step: int,
                        failed_ranks: Iterable[int],
                        cascade: Cascade | None = None) -> RecoveryReport | None:
     """Recover the failed ranks' stages from logs; returns the report on scope ranks and
@@ -77,8 +76,8 @@ def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
                          "interleaved schedules recover by global rollback")
     failed = tuple(sorted(set(failed_ranks)))
     scopes = recovery_scopes(plan, failed, upstream_logging=True)
-    executor = coordinator.engine.executor
-    calls_before = getattr(executor, "forward_backward_calls", 0)
+    target = coordinator.target
+    calls_before = target.forward_backward_calls
     again: list[RecoveryScope] = []
     if cascade is not None:
         widened = recovery_scopes(plan, cascade.ranks, upstream_logging=True, ongoing=scopes)
@@ -87,21 +86,21 @@ def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
     restarting = {p for scope in again for p in scope.stages}
     stop_after = cascade.after_replayed if cascade is not None and coords.pp in restarting \
         else None
-    report = _recover_scopes(coordinator, log, plan, coords, batch, failed_step, failed,
+    report = _recover_scopes(coordinator, log, plan, coords, failed_step, failed,
                              {p for scope in scopes for p in scope.stages}, stop_after)
     if cascade is not None:
         cascade.fail()
         lost = set(failed) | set(cascade.ranks)
         again_ranks = {r for scope in again for r in scope.ranks}
-        second = _recover_scopes(coordinator, log, plan, coords, batch, failed_step,
+        second = _recover_scopes(coordinator, log, plan, coords, failed_step,
                                  tuple(sorted(lost & again_ranks)), restarting, None)
         if second is not None:
             if report is not None:
                 second.merge_restart(report)
             report = second
     resuming = time.perf_counter()
-    restart_windows(coordinator, failed_step)
-    calls = getattr(executor, "forward_backward_calls", 0) - calls_before
+    coordinator.restart(failed_step)
+    calls = target.forward_backward_calls - calls_before
     if report is not None:
         report.phases_s["resume"] = time.perf_counter() - resuming
         report.forward_backward_calls = calls
@@ -110,7 +109,7 @@ def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
 
 
 def _recover_scopes(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
-                    coords: Coordinates, batch: Callable[[int], Batch], failed_step: int,
+                    coords: Coordinates, failed_step: int,
                     failed: tuple[int, ...], scope_pp: set[int],
                     stop_after: int | None) -> RecoveryReport | None:
     """One round: the scope ranks (pipeline positions ``scope_pp``) convert the agreed
@@ -119,7 +118,7 @@ def _recover_scopes(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
     started = time.perf_counter()
     world = dist.get_world_size()
     in_scope = coords.pp in scope_pp
-    executor = coordinator.engine.executor
+    executor = coordinator.target.executor
     common, views = agree_on_window(coordinator, failed, in_scope)
     iterations = range(common + 1, failed_step)
     handed: list[Any] = [None] * world
@@ -140,7 +139,7 @@ def _recover_scopes(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
             for t in iterations}
         executor.replaying = True
         try:
-            report = sparse_to_dense(coordinator.engine, views, batch, failed_step, clip,
+            report = sparse_to_dense(coordinator.target, views, failed_step, clip,
                                      stop_after)
         except RecoveryInterrupted as interrupted:
             report = interrupted.report
@@ -149,6 +148,6 @@ def _recover_scopes(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
             runner.replay = {}
         report.phases_s["fetch"] = fetched_at - started
     else:  # paused: keep the live state, run nothing
-        coordinator.engine.step = failed_step
+        coordinator.target.resume_at(failed_step)
     dist.barrier()
     return report

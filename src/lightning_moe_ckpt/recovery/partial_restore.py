@@ -35,7 +35,7 @@ persisted), the counters also include the tokens of the recomputed iterations.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -50,14 +50,11 @@ from lightning_moe_ckpt.checkpoint.replication import replica_peers
 from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
 from lightning_moe_ckpt.checkpoint.schedule import expert_position
 from lightning_moe_ckpt.checkpoint.snapshot import SnapshotPiece
-from lightning_moe_ckpt.recovery.global_rollback import restart_windows
 from lightning_moe_ckpt.recovery.replay import (
-    Batch,
     RecoveryReport,
     load_piece,
-    restore_schedule,
-    set_step,
 )
+from lightning_moe_ckpt.targets.base import TrainingTarget
 
 Save = tuple[int, dict[str, Any]]  # (iteration, {"kind", "tensors"}) of one operator
 Restore = tuple[dict[str, Save], dict[str, Any]]  # saves by operator, SS_e's metadata
@@ -105,7 +102,7 @@ def _drain(coordinator: Any, forget: bool) -> None:
             snapshot.checksummed.wait()
     if coordinator.replicator is not None:
         coordinator.replicator.drain()
-    coordinator._drain_acks()
+    coordinator.drain_acks()
     store.refresh()
     if forget:  # a dead worker's host memory: snapshots, retained saves, held replicas
         coordinator.store.discard_all()
@@ -267,7 +264,7 @@ def _fetch(coordinator: Any, failed: tuple[int, ...], step: int) -> Restore | No
 
 
 @torch.no_grad()
-def _load(engine: Any, saves: dict[str, Save], metadata: dict[str, Any],
+def _load(engine: TrainingTarget, saves: dict[str, Save], metadata: dict[str, Any],
           step: int) -> tuple[list[str], str | None]:
     """Step 4: load every operator's save, all active; returns the stale experts (saved
     before ``step``) or what is missing."""
@@ -279,8 +276,8 @@ def _load(engine: Any, saves: dict[str, Save], metadata: dict[str, Any],
     for name in registry.names:
         load_piece(engine, name, saves[name][1])
     registry.set_frozen(registry.names, frozen=False)
-    restore_schedule(engine, metadata)
-    set_step(engine, step + 1)
+    engine.restore_schedule_state(metadata)
+    engine.set_step(step + 1)
     stale = [name for name in registry.names
              if saves[name][0] < step and expert_position(name) is not None]
     return stale, None
@@ -295,7 +292,7 @@ def _forget_saves(coordinator: Any) -> None:
         replicas.clear()
 
 
-def partial_restore(coordinator: Any, batch: Callable[[int], Batch], failed_step: int,
+def partial_restore(coordinator: Any, failed_step: int,
                     failed_ranks: Iterable[int]) -> RecoveryReport:
     """Restore every rank from its newest persisted saves and continue at ``failed_step``
     (collective when distributed; see the module docstring)."""
@@ -313,23 +310,21 @@ def partial_restore(coordinator: Any, batch: Callable[[int], Batch], failed_step
     restore = fetched if lost_host else local
     assert restore is not None and not isinstance(restore, str)  # errors raised above
     fetched_at = time.perf_counter()
-    engine = coordinator.engine
+    engine = coordinator.target
     stale, error = _load(engine, *restore, step)
     _raise_if_any(error)
     report = RecoveryReport(step, 1, failed_step)
     report.phases_s["convert_load"] = time.perf_counter() - fetched_at
     recomputing = time.perf_counter()
-    hooks, engine.hooks = engine.hooks, []  # recomputation takes no snapshots
-    try:
+    with engine.hooks_suspended():  # recomputation takes no snapshots
         for iteration in range(step + 1, failed_step):
-            engine.train_iteration(*batch(iteration))
+            engine.replay_iteration(iteration, None)
             report.replayed += 1
             report.forward_backward_calls += 1
-    finally:
-        engine.hooks = hooks
+    engine.resume_at(failed_step)
     report.phases_s["replay"] = time.perf_counter() - recomputing
     _forget_saves(coordinator)
-    restart_windows(coordinator, failed_step)  # the planner books the lost tokens here
+    coordinator.restart(failed_step)  # the planner books the lost tokens here
     coordinator.apply_capacity_factors()
     planner = coordinator.planner
     report.lost_tokens = planner.lost_tokens()

@@ -24,14 +24,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
-from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.targets.base import TrainingTarget
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+if TYPE_CHECKING:
+    from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
+
 SnapshotView = Mapping[str, Any]  # {"step", "metadata", "pieces": {op: {"kind", "tensors"}}}
 
 
@@ -86,37 +88,15 @@ class RecoveryReport:
 
 
 @torch.no_grad()
-def load_piece(engine: TrainingEngine, operator: str, piece: Mapping[str, Any]) -> None:
-    """Load one snapshot piece: compute weights, or master weights (compute weights
-    rounded from them) with their AdamW moments and step counters."""
-    registry, optimizer = engine.registry, engine.optimizer
-    tensors = piece["tensors"]
-    for name, param in registry[operator].params:
-        if piece["kind"] == "compute":
-            param.copy_(tensors[name])
-            continue
-        master = optimizer.master[name]
-        master.copy_(tensors[f"{name}/master"])
-        param.copy_(master)  # compute weights are the master rounded to their dtype
-        moments = {key: tensors[f"{name}/{key}"].clone()
-                   for key in ("exp_avg", "exp_avg_sq", "step") if f"{name}/{key}" in tensors}
-        if moments:
-            optimizer.inner.state[master] = moments
-        else:
-            optimizer.inner.state.pop(master, None)
+def load_piece(target: TrainingTarget, operator: str, piece: Mapping[str, Any]) -> None:
+    """Load one snapshot piece of ``operator``: compute weights, or master weights
+    (compute weights rounded from them) with their optimizer state."""
+    load = target.state.load_compute if piece["kind"] == "compute" else target.state.load_master
+    for part in target.registry[operator].pieces:
+        load(part, piece["tensors"])
 
 
-def restore_schedule(engine: TrainingEngine, metadata: Mapping[str, Any]) -> None:
-    """Restore the LR schedule, the optimizer's param groups and the RNG a snapshot
-    recorded."""
-    engine.scheduler.load_state_dict(metadata["lr_scheduler"])
-    for group, saved in zip(engine.optimizer.param_groups, metadata["param_groups"], strict=True):
-        group.update(saved)
-    torch.set_rng_state(metadata["rng"]["cpu"])
-
-
-def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
-                    batch: Callable[[int], Batch], failed_step: int,
+def sparse_to_dense(target: TrainingTarget, window: Sequence[SnapshotView], failed_step: int,
                     clip_coefs: Mapping[int, torch.Tensor] | None = None,
                     stop_after: int | None = None) -> RecoveryReport:
     """Rebuild the dense state from ``window`` and replay up to ``failed_step`` (the
@@ -127,29 +107,28 @@ def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
     window = sorted(window, key=lambda view: view["step"])
     start = window[0]["step"]
     report = RecoveryReport(start, len(window), failed_step)
-    registry = engine.registry
-    hooks, engine.hooks = engine.hooks, []  # replay re-takes no snapshots
+    registry = target.registry
     started = time.perf_counter()
-    try:
+    with target.hooks_suspended():  # replay re-takes no snapshots
         first = window[0]
         for operator, piece in first["pieces"].items():
-            load_piece(engine, operator, piece)
+            load_piece(target, operator, piece)
         active = {op for op, piece in first["pieces"].items() if piece["kind"] == "master"}
         registry.set_frozen([n for n in registry.names if n not in active])
         registry.set_frozen(sorted(active), frozen=False)
-        restore_schedule(engine, first["metadata"])
-        set_step(engine, start + 1)
+        target.restore_schedule_state(first["metadata"])
+        target.set_step(start + 1)
         report.phases_s["convert_load"] = time.perf_counter() - started
         converting = time.perf_counter()
         for view in window[1:]:
             step = view["step"]
             clip = view["metadata"]["clip_coef"] if clip_coefs is None else clip_coefs[step]
             _check_interrupt(report, stop_after)
-            engine.train_iteration(*batch(step), clip_coef=clip)
+            target.replay_iteration(step, clip)
             report.replayed += 1
             for operator, piece in view["pieces"].items():
                 if piece["kind"] == "master" or operator not in active:
-                    load_piece(engine, operator, piece)
+                    load_piece(target, operator, piece)
             newly = {op for op, piece in view["pieces"].items() if piece["kind"] == "master"}
             registry.set_frozen(sorted(newly), frozen=False)
             active |= newly
@@ -161,13 +140,11 @@ def sparse_to_dense(engine: TrainingEngine, window: Sequence[SnapshotView],
         replaying = time.perf_counter()
         for step in range(start + len(window), failed_step):
             _check_interrupt(report, stop_after)
-            engine.train_iteration(*batch(step),
-                                   clip_coef=None if clip_coefs is None else clip_coefs[step])
+            target.replay_iteration(step, None if clip_coefs is None else clip_coefs[step])
             report.replayed += 1
         report.phases_s["replay"] = time.perf_counter() - replaying
         _check_interrupt(report, stop_after)  # a replay shorter than the cascade's delay
-    finally:
-        engine.hooks = hooks
+        target.resume_at(failed_step)
     return report
 
 
@@ -176,33 +153,20 @@ def _check_interrupt(report: RecoveryReport, stop_after: int | None) -> None:
         raise RecoveryInterrupted(report)
 
 
-def set_step(engine: TrainingEngine, step: int) -> None:
-    """Set the iteration the engine (and a pipeline executor) runs next."""
-    engine.step = step
-    if hasattr(engine.executor, "iteration"):
-        engine.executor.iteration = step
-
-
-def recover_from_store(coordinator: Any, batch: Callable[[int], Batch],
+def recover_from_store(coordinator: CheckpointCoordinator,
                        failed_step: int) -> RecoveryReport:
-    """Global rollback of one process from its own store: drop the in-flight window (its
-    host copies died with the failure), convert the newest persisted window and replay.
-
-    ``coordinator`` is the rank's :class:`~lightning_moe_ckpt.checkpoint.coordinator.
-    CheckpointCoordinator`; the planner starts a fresh window at ``failed_step``.
-    """
+    """Rollback of one process from its own store: drop the in-flight window (its host
+    copies died with the failure), convert the newest persisted window and replay."""
     started = time.perf_counter()
-    coordinator.snapshots.wait_copies()
+    coordinator.drain()
     record = coordinator.store.persisted()
     if record is None:
         raise RuntimeError("no persisted checkpoint to recover from (not even the initial "
                            "state): was SparseCheckpointing attached before training?")
-    for start in [s for s in coordinator.store.windows if s != record.start]:
-        for snapshot in coordinator.store.windows.pop(start).snapshots.values():
-            coordinator.pool.release(snapshot)
+    coordinator.store.discard_except(record.start)
     views = [snapshot_view(s) for s in record.snapshots.values()]
     fetched = time.perf_counter()
-    report = sparse_to_dense(coordinator.engine, views, batch, failed_step)
+    report = sparse_to_dense(coordinator.target, views, failed_step)
     coordinator.planner.on_recovery(failed_step)
     report.phases_s["fetch"] = fetched - started
     return report

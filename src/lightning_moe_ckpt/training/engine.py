@@ -8,16 +8,18 @@ same iteration function.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+from typing_extensions import override
 
+from lightning_moe_ckpt.checkpoint.snapshot import restore_rng, rng_state
 from lightning_moe_ckpt.models.transformer import MoETransformer
-from lightning_moe_ckpt.operators import OperatorRegistry
+from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.precision import MasterWeightAdamW
+from lightning_moe_ckpt.targets.base import TrainingTarget
 from lightning_moe_ckpt.training.core import (
     IterationResult,
     build_model,
@@ -29,31 +31,25 @@ from lightning_moe_ckpt.training.executor import Backward, Executor, LocalExecut
 from lightning_moe_ckpt.training.settings import RunSettings
 
 
-class StepHooks(Protocol):
-    """Observers of the optimizer step (the snapshot engine is one)."""
-
-    def before_optimizer_step(self, step: int) -> None:
-        """Called right before optimizer step ``step`` mutates any state."""
-
-    def after_optimizer_step(self, step: int, result: IterationResult) -> None:
-        """Called right after optimizer step ``step`` (and the LR-scheduler step)."""
-
-
-@dataclass
-class TrainingEngine:
-    """Everything one rank needs to run training iterations.
+class TrainingEngine(TrainingTarget):
+    """Everything one rank of the built-in model needs to run training iterations.
 
     ``step`` counts completed optimizer steps; iteration ``step`` reads data batch
-    ``step`` and performs optimizer step ``step`` (0-based).
+    ``step`` and performs optimizer step ``step`` (0-based). Replay reads the batch from
+    the deterministic sampler (a pure function of step and shard).
     """
 
-    settings: RunSettings
-    model: MoETransformer
-    optimizer: MasterWeightAdamW
-    scheduler: LambdaLR
-    executor: Executor
-    step: int = 0
-    hooks: list[StepHooks] = field(default_factory=list)
+    def __init__(self, settings: RunSettings, model: MoETransformer,
+                 optimizer: MasterWeightAdamW, scheduler: LambdaLR, executor: Executor,
+                 batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+                 ) -> None:
+        super().__init__(model, optimizer)
+        self.settings = settings
+        self.model: MoETransformer = model
+        self.optimizer: MasterWeightAdamW = optimizer
+        self.scheduler = scheduler
+        self.executor = executor
+        self.batch = batch  # this rank's (inputs, targets) of a step, for replay
 
     @classmethod
     def local(cls, settings: RunSettings,
@@ -71,9 +67,60 @@ class TrainingEngine:
         return cls(settings, model, optimizer, scheduler, executor)
 
     @property
-    def registry(self) -> OperatorRegistry:
-        """The operators this rank holds (freeze/activate them by name)."""
-        return OperatorRegistry(self.model)
+    @override
+    def layout(self) -> ParallelPlan:
+        return self.settings.layout
+
+    @property
+    @override
+    def forward_backward_calls(self) -> int:
+        return self.executor.forward_backward_calls
+
+    @property
+    @override
+    def top_k(self) -> int | None:
+        return self.settings.model.top_k
+
+    @property
+    @override
+    def routing_source(self) -> str:
+        return "engine"
+
+    @property
+    @override
+    def supports_capacity_factors(self) -> bool:
+        return True
+
+    @override
+    def set_capacity_factors(self, factors: torch.Tensor) -> None:
+        for layer, moe in self.model.moe_layers().items():
+            moe.capacity_scale = factors[layer]
+
+    @override
+    def set_step(self, step: int) -> None:
+        self.step = step
+        self.executor.iteration = step
+
+    @override
+    def replay_iteration(self, step: int, clip_coef: torch.Tensor | None) -> None:
+        if self.batch is None:
+            raise RuntimeError("the engine has no batch source for replay "
+                               "(TrainingEngine.batch is unset)")
+        self.train_iteration(*self.batch(step), clip_coef=clip_coef)
+
+    @override
+    def schedule_state(self) -> dict[str, Any]:
+        return {"lr_scheduler": self.scheduler.state_dict(), "rng": rng_state(),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                 for g in self.optimizer.param_groups]}
+
+    @override
+    def restore_schedule_state(self, metadata: Mapping[str, Any]) -> None:
+        self.scheduler.load_state_dict(metadata["lr_scheduler"])
+        for group, saved in zip(self.optimizer.param_groups, metadata["param_groups"],
+                                strict=True):
+            group.update(saved)
+        restore_rng(metadata["rng"])
 
     def train_iteration(self, inputs: torch.Tensor, targets: torch.Tensor,
                         backward: Backward | None = None,
@@ -81,25 +128,19 @@ class TrainingEngine:
                         clip_coef: torch.Tensor | None = None) -> IterationResult:
         """One optimizer step. ``backward``/``step`` let Lightning wrap them (defaults:
         ``loss.backward()`` and the raw optimizer step)."""
-        for hook in list(self.hooks):  # e.g. failure injection, which may recover first
-            before_iteration = getattr(hook, "before_iteration", None)
-            if before_iteration is not None:
-                before_iteration(self.step)
+        self.begin_iteration()  # e.g. failure injection, which may recover first
         optimizer_step = step if step is not None else self.optimizer.step
-        index = self.step
 
         def hooked_step() -> None:
-            for hook in self.hooks:
-                hook.before_optimizer_step(index)
+            self.before_update()
             optimizer_step()
+            self.after_update()
 
         result = train_iteration(
             self.executor, self.optimizer, self.scheduler, inputs, targets,
             backward if backward is not None else _plain_backward, hooked_step,
             self.settings.optim.max_grad_norm, clip_coef)
-        self.step += 1
-        for hook in self.hooks:
-            hook.after_optimizer_step(index, result)
+        self.finish_iteration(result)
         return result
 
 

@@ -51,6 +51,9 @@ def norm_vector(grads: Mapping[str, torch.Tensor], index: Mapping[str, int],
 class Executor(Protocol):
     """Where and how the parts of an iteration run."""
 
+    iteration: int  # the iteration the next forward_backward runs (tags boundary logs)
+    forward_backward_calls: int  # counted: paused ranks run none during a recovery
+
     def reset_stats(self) -> None:
         """Zero per-iteration routing telemetry."""
 
@@ -79,12 +82,16 @@ class LocalExecutor:
     def __init__(self, model: MoETransformer) -> None:
         self.model = model
         self.index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        self.iteration = 0
+        self.forward_backward_calls = 0
 
     def reset_stats(self) -> None:
         self.model.reset_stats()
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
                          loss_fn: LossFn, backward: Backward) -> torch.Tensor:
+        self.iteration += 1
+        self.forward_backward_calls += 1
         total = torch.zeros((), dtype=torch.float32, device=inputs.device)
         for index in range(inputs.shape[0]):
             loss = loss_fn(self.model(inputs[index]), targets[index])

@@ -53,6 +53,12 @@ class MoELanguageModule(L.LightningModule):
         else:
             self.engine = TrainingEngine.local(self.settings)
         self.model = self.engine.model
+        # Replay reads this rank's batch of a step from the seekable sampler.
+        self.engine.batch = lambda t: self.run_data().train.iteration(t, self.data_shard)
+
+    def engine_or_raise(self) -> TrainingEngine:
+        """The rank's engine (built by ``configure_model``)."""
+        return self._engine()
 
     def _engine(self) -> TrainingEngine:
         if self.engine is None:
@@ -103,10 +109,7 @@ class MoELanguageModule(L.LightningModule):
     @override
     def on_train_start(self) -> None:
         # A resumed run continues the step count (data position, snapshot steps, log tags).
-        engine = self._engine()
-        engine.step = self.global_step
-        if hasattr(engine.executor, "iteration"):
-            engine.executor.iteration = self.global_step
+        self._engine().set_step(self.global_step)
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

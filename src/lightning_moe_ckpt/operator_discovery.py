@@ -1,0 +1,186 @@
+"""Discovery rules: which parameters (and slices) of any MoE model form which operator.
+
+The rules need no configuration for the common layouts:
+
+* **Blocks**: the shallowest ``ModuleList``/``ModuleDict`` with integer keys (``layers``,
+  ``model.layers``, ``blocks``, ``h``; a pipeline stage's ``ModuleDict`` keeps the global
+  indices) holds the transformer blocks; the key is the layer index.
+* Inside a block, in this order:
+
+  1. **ModuleList experts** (``...experts.<i>.<...>``, HF 4.x Mixtral's
+     ``block_sparse_moe.experts.<i>``): operator ``<block>.<path>.experts.<i>``;
+  2. **fused experts**: parameters owned directly by a module named ``experts`` (HF
+     transformers 5.x ``mlp.experts.gate_up_proj``/``down_proj``, torchtitan-style
+     ``moe.experts.w1/w2/w3``) hold the experts on dim 0: slice ``e`` of every such
+     parameter joins operator ``<block>.<path>.experts.<e>``;
+  3. **shared experts** (a path component ``shared_expert``, ``shared_experts`` or
+     ``shared_expert_gate``): operator ``<block>.<path>.shared_experts``;
+  4. **routers** (a path component ``gate`` or ``router``, with their bias/correction
+     parameters): operator ``<block>.<path>.gate`` (``router`` keeps its name);
+  5. everything else of the block (attention, norms, a dense MLP): ``<block>.attn``.
+
+* Outside the blocks: parameters of ``nn.Embedding`` modules registered before the first
+  block form ``embed``; the linear and normalization layers registered after the last
+  block (final norm, output projection) form ``head``.
+
+A user override (a mapping of ``fnmatch`` patterns on parameter names to operator names,
+or a callable ``(name, param) -> operator name | None``) is consulted first and claims
+whole parameters. A parameter that neither claims is an error naming it and showing the
+override, never merged silently into a neighbour.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+
+from torch import nn
+
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.operators import (
+    Operator,
+    OperatorKind,
+    OperatorOverride,
+    Piece,
+    expert_position,
+)
+
+_SHARED = frozenset({"shared_expert", "shared_experts", "shared_expert_gate"})
+_ROUTER = frozenset({"gate", "router"})
+
+Assignment = tuple[str, OperatorKind, int | None, int | None, Piece]
+
+
+def _block_container(model: nn.Module) -> str | None:
+    """Path of the module holding the blocks: the shallowest ModuleList/ModuleDict with
+    integer keys (the one with most parameters on a tie)."""
+    best: tuple[int, int, str] | None = None
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList | nn.ModuleDict) or not len(module):
+            continue
+        if path.split(".")[-1] == "experts" or not all(k.isdigit() for k in module._modules):
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        rank = (path.count(".") if path else -1, -size, path)
+        if best is None or rank < best:
+            best = rank
+    return None if best is None else best[2]
+
+
+def _override_of(override: OperatorOverride | None) -> Callable[[str, nn.Parameter],
+                                                               str | None]:
+    if override is None:
+        return lambda name, param: None
+    if isinstance(override, Mapping):
+        patterns = dict(override)
+        for pattern, target in patterns.items():
+            if not isinstance(target, str) or not target:
+                raise ConfigError(f"operators[{pattern!r}]={target!r}: an override maps a "
+                                  "parameter-name pattern to an operator name (a string)")
+
+        def by_pattern(name: str, param: nn.Parameter) -> str | None:
+            for pattern, target in patterns.items():
+                if fnmatch.fnmatchcase(name, pattern):
+                    return target
+            return None
+        return by_pattern
+    if callable(override):
+        return override
+    raise ConfigError(f"operators={override!r} must be a mapping of parameter-name patterns "
+                      "to operator names or a callable (name, param) -> operator name")
+
+
+def _fused_experts(model: nn.Module, container: str | None) -> dict[str, int]:
+    """Fused expert parameters (owned directly by an ``experts`` module inside a block)
+    and their expert count (dim 0, equal for every parameter of one experts module)."""
+    fused: dict[str, int] = {}
+    for path, module in model.named_modules():
+        if path.split(".")[-1] != "experts" or isinstance(module, nn.ModuleList):
+            continue
+        if container is None or not path.startswith(f"{container}."):
+            continue
+        own = list(module.named_parameters(recurse=False))
+        counts = {name: p.shape[0] if p.dim() >= 1 else 0 for name, p in own}
+        if len(set(counts.values())) > 1 or 0 in counts.values():
+            shapes = ", ".join(f"{path}.{n}: {tuple(p.shape)}" for n, p in own)
+            raise ConfigError(f"fused experts module {path!r} holds parameters that do not "
+                              f"share an expert dimension 0 ({shapes}); assign them with "
+                              "SparseCheckpointing(..., operators=...)")
+        fused.update({f"{path}.{name}": count for name, count in counts.items()})
+    return fused
+
+
+def _inside_block(block: str, layer: int, rest: str, param: nn.Parameter,
+                  name: str, fused: Mapping[str, int]) -> list[Assignment]:
+    parts = rest.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "experts" and parts[i + 1].isdigit() and i + 2 < len(parts):
+            expert = int(parts[i + 1])
+            operator = ".".join([block, *parts[:i + 2]])
+            return [(operator, "expert", layer, expert, Piece(name, param))]
+    if name in fused:
+        prefix = ".".join([block, *parts[:-1]])
+        return [(f"{prefix}.{e}", "expert", layer, e, Piece(name, param, e))
+                for e in range(fused[name])]
+    for i, part in enumerate(parts[:-1]):
+        if part in _SHARED:
+            operator = ".".join([block, *parts[:i], "shared_experts"])
+            return [(operator, "shared_experts", layer, None, Piece(name, param))]
+    for i, part in enumerate(parts[:-1]):
+        if part in _ROUTER:
+            operator = ".".join([block, *parts[:i + 1]])
+            return [(operator, "gate", layer, None, Piece(name, param))]
+    return [(f"{block}.attn", "attn", layer, None, Piece(name, param))]
+
+
+def _is_head_layer(module: nn.Module | None) -> bool:
+    """An output projection or a (final) normalization layer."""
+    return isinstance(module, nn.Linear | nn.Embedding) or (
+        module is not None and "norm" in type(module).__name__.lower())
+
+
+def _unclaimed(name: str) -> ConfigError:
+    return ConfigError(
+        f"parameter {name!r} belongs to no operator: no discovery rule claims it (blocks in "
+        "a ModuleList/ModuleDict, experts, routers named gate/router, shared experts, "
+        "embeddings before the blocks, the head after them). Assign it explicitly, e.g. "
+        f"SparseCheckpointing(..., operators={{{name!r}: 'my_operator'}}) or "
+        "operators=lambda name, param: 'my_operator' if ... else None")
+
+
+def discover_operators(model: nn.Module,
+                       override: OperatorOverride | None = None) -> list[Operator]:
+    """The operators of ``model`` in model order (see the module docstring for the rules)."""
+    claim = _override_of(override)
+    container = _block_container(model)
+    fused = _fused_experts(model, container)
+    owners = {f"{path}.{n}" if path else n: module for path, module in model.named_modules()
+              for n, _ in module.named_parameters(recurse=False)}
+    named = list(model.named_parameters())
+    in_blocks = [i for i, (name, _) in enumerate(named)
+                 if container is not None and name.startswith(f"{container}.")]
+    first, last = (in_blocks[0], in_blocks[-1]) if in_blocks else (len(named), -1)
+    assignments: list[Assignment] = []
+    for position, (name, param) in enumerate(named):
+        chosen = claim(name, param)
+        if chosen is not None:
+            located = expert_position(chosen)
+            kind: OperatorKind = "expert" if located else "other"
+            assignments.append((chosen, kind, located[0] if located else None,
+                                located[1] if located else None, Piece(name, param)))
+            continue
+        if container is not None and name.startswith(f"{container}."):
+            key, _, rest = name[len(container) + 1:].partition(".")
+            assignments += _inside_block(f"{container}.{key}", int(key), rest, param, name,
+                                         fused)
+        elif isinstance(owners.get(name), nn.Embedding) and position < first:
+            assignments.append(("embed", "embed", None, None, Piece(name, param)))
+        elif position > last and in_blocks and _is_head_layer(owners.get(name)):
+            assignments.append(("head", "head", None, None, Piece(name, param)))
+        else:
+            raise _unclaimed(name)
+    grouped: dict[str, tuple[OperatorKind, int | None, int | None, list[Piece]]] = {}
+    for operator, kind, layer, expert, piece in assignments:
+        grouped.setdefault(operator, (kind, layer, expert, []))[3].append(piece)
+    return [Operator(name, kind, layer, expert, tuple(pieces))
+            for name, (kind, layer, expert, pieces) in grouped.items()]

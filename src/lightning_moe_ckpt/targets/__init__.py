@@ -1,0 +1,1 @@
+"""Training targets: the built-in engine, a Lightning Trainer module and a Fabric loop."""

@@ -1,0 +1,176 @@
+"""What checkpointing and recovery need from a training loop: :class:`TrainingTarget`.
+
+A target is one rank's model, optimizer and a way to run one training iteration again.
+The built-in :class:`~lightning_moe_ckpt.training.engine.TrainingEngine` is one target;
+a user's own LightningModule under the Trainer
+(:class:`~lightning_moe_ckpt.targets.lightning.LightningTarget`) and a Fabric loop
+(:class:`~lightning_moe_ckpt.targets.fabric.FabricTarget`) are others. Snapshots,
+replication, recovery and failure injection see only this interface, so every model and
+every loop runs the same core.
+
+Around each optimizer step the target calls :meth:`TrainingTarget.before_update` (right
+before the step mutates any state: frozen slices are saved and the observers' copies
+waited for) and :meth:`TrainingTarget.after_update` (right after: frozen slices are put
+back and the observers take their snapshot). Observers are :class:`StepHooks`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lightning_moe_ckpt.operators import OperatorRegistry
+from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
+from lightning_moe_ckpt.parallel.topology import ParallelPlan
+from lightning_moe_ckpt.recovery.batch_log import BatchLog
+
+
+class StepResult(Protocol):
+    """Per-iteration values an observer reads after the optimizer step (device tensors)."""
+
+    @property
+    def clip_coef(self) -> torch.Tensor | None: ...
+
+    @property
+    def lr(self) -> float: ...
+
+    @property
+    def expert_load(self) -> torch.Tensor | None: ...  # [layers, experts] tokens routed
+
+    @property
+    def soft_load(self) -> torch.Tensor | None: ...  # [layers, experts] gate probabilities
+
+
+@dataclass(frozen=True)
+class StepTelemetry:
+    """:class:`StepResult` of a user's loop: what the hooks could observe."""
+
+    clip_coef: torch.Tensor | None
+    lr: float
+    expert_load: torch.Tensor | None = None
+    soft_load: torch.Tensor | None = None
+
+
+class StepHooks:
+    """Observers of the training loop (snapshotting, profiling, failure injection);
+    every method defaults to doing nothing."""
+
+    def before_iteration(self, step: int) -> None:
+        """Iteration ``step`` is about to start (its batch is logged)."""
+
+    def before_optimizer_step(self, step: int) -> None:
+        """Optimizer step ``step`` is about to mutate state."""
+
+    def after_optimizer_step(self, step: int, result: StepResult) -> None:
+        """Optimizer step ``step`` completed."""
+
+
+class TrainingTarget(ABC):
+    """One rank's training state and how to rerun an iteration of it.
+
+    ``step`` counts completed optimizer steps: iteration ``step`` performs optimizer
+    step ``step`` (0-based).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 registry: OperatorRegistry | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.registry = registry if registry is not None else OperatorRegistry(model)
+        self.state = OptimizerStateAccess(optimizer)
+        self.step = 0
+        self.hooks: list[StepHooks] = []
+        # Each iteration's batch, for targets that replay through a user's step.
+        self.batch_log: BatchLog | None = None
+
+    @property
+    @abstractmethod
+    def layout(self) -> ParallelPlan:
+        """The parallel layout this rank belongs to."""
+
+    @property
+    def forward_backward_calls(self) -> int:
+        """Forward/backward passes this rank ran so far (recovery reports count them)."""
+        return 0
+
+    @property
+    def top_k(self) -> int | None:
+        """Experts each token is routed to, when the target knows it."""
+        return None
+
+    @property
+    def routing_source(self) -> str:
+        """Where popularity comes from: ``engine``, ``router hooks`` or ``static``."""
+        return "static"
+
+    @property
+    def supports_capacity_factors(self) -> bool:
+        """Whether :meth:`set_capacity_factors` reaches the model (MoEtion's boost)."""
+        return False
+
+    def set_capacity_factors(self, factors: torch.Tensor) -> None:
+        """Per-``[layer, expert]`` capacity factors for the next iteration."""
+        raise NotImplementedError(f"{type(self).__name__} has no expert capacity to scale")
+
+    @abstractmethod
+    def replay_iteration(self, step: int, clip_coef: torch.Tensor | None) -> None:
+        """Run iteration ``step`` again as the uninterrupted run did; ``clip_coef``
+        replaces the gradient-clipping coefficient (frozen operators make the global norm
+        incomputable during conversion)."""
+
+    @abstractmethod
+    def schedule_state(self) -> dict[str, Any]:
+        """LR schedules, optimizer hyper-parameters and RNG now (snapshot metadata)."""
+
+    @abstractmethod
+    def restore_schedule_state(self, metadata: Mapping[str, Any]) -> None:
+        """Inverse of :meth:`schedule_state`."""
+
+    def set_step(self, step: int) -> None:
+        """The iteration the target runs next."""
+        self.step = step
+
+    def resume_at(self, step: int) -> None:
+        """After a recovery: continue with iteration ``step`` as the uninterrupted run
+        would (targets that log per-iteration state restore it here)."""
+        self.set_step(step)
+
+    def begin_iteration(self) -> None:
+        """Tell the observers iteration ``step`` starts (failure injection fires here)."""
+        for hook in list(self.hooks):  # an injected recovery may change the list
+            hook.before_iteration(self.step)
+
+    def before_update(self) -> None:
+        """Right before the optimizer step: observers wait for their copies of the state
+        the step mutates; frozen slices are saved."""
+        for hook in self.hooks:
+            hook.before_optimizer_step(self.step)
+        if self.registry.frozen_slices:
+            self.registry.frozen_slices.hold(self.state.step_tensors, self.state.state_of)
+
+    def after_update(self) -> None:
+        """Right after the optimizer step: frozen slices are put back."""
+        if self.registry.frozen_slices:
+            self.registry.frozen_slices.release()
+
+    def finish_iteration(self, result: StepResult) -> None:
+        """The iteration is complete: count it and let observers snapshot it."""
+        index = self.step
+        self.step += 1
+        for hook in self.hooks:
+            hook.after_optimizer_step(index, result)
+
+    @contextmanager
+    def hooks_suspended(self) -> Iterator[None]:
+        """Replay re-takes no snapshots and injects no failures."""
+        hooks, self.hooks = self.hooks, []
+        try:
+            yield
+        finally:
+            self.hooks = hooks

@@ -1,0 +1,62 @@
+"""A Fabric loop as a :class:`~.base.TrainingTarget`: the user hands over its step function.
+
+``SparseCheckpointing.protect(fabric, model, optimizer, step_fn)`` returns a
+:class:`ProtectedStep`; the loop calls it with each batch instead of ``step_fn``. It logs
+the batch and the per-iteration state, lets the observers run (a failure injector may
+recover there) and then calls ``step_fn(batch)``, which does forward, ``fabric.backward``
+and ``optimizer.step()`` as before. Replay calls the same ``step_fn`` on the logged batch.
+Clip gradients by norm with :meth:`FabricTarget.clip_gradients` (it logs the coefficient
+the replay needs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
+from torch import nn
+from typing_extensions import override
+
+from lightning_moe_ckpt.operators import OperatorOverride, OperatorRegistry
+from lightning_moe_ckpt.recovery.batch_log import BatchRecord
+from lightning_moe_ckpt.targets.telemetry import RouterParser, RouterTelemetry, configured_top_k
+from lightning_moe_ckpt.targets.user_loop import Scheduler, UserLoopTarget
+
+StepFunction = Callable[[Any], Any]
+
+
+class FabricTarget(UserLoopTarget):
+    """A Fabric-set-up model and optimizer, and the step function that trains them."""
+
+    def __init__(self, fabric: Fabric, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 step_fn: StepFunction, schedulers: Sequence[Scheduler] = (),
+                 override: OperatorOverride | None = None, top_k: int | None = None,
+                 router_parser: RouterParser | None = None) -> None:
+        module = model.module if isinstance(model, _FabricModule) else model
+        raw = optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
+        registry = OperatorRegistry(module, override, freeze_by_restore=fabric.world_size > 1)
+        telemetry = RouterTelemetry(module, registry, configured_top_k(module, top_k),
+                                    router_parser)
+        super().__init__(module, raw, registry, schedulers,
+                         telemetry if telemetry.active else None, fabric.world_size)
+        self.fabric = fabric
+        self.step_fn = step_fn
+
+    @override
+    def run_step(self, record: BatchRecord) -> None:
+        self.step_fn(self.fabric.to_device(record.batch))
+
+
+class ProtectedStep:
+    """The user's step function, with batch logging and failure handling around it."""
+
+    def __init__(self, target: FabricTarget) -> None:
+        self.target = target
+
+    def __call__(self, batch: Any) -> Any:
+        """Run iteration ``target.step`` on ``batch``."""
+        self.target.start_iteration(batch, self.target.step)
+        return self.target.step_fn(batch)

@@ -1,0 +1,104 @@
+"""A user's LightningModule under ``L.Trainer`` as a :class:`~.base.TrainingTarget`.
+
+Replay runs the module's own ``training_step`` on a logged batch through the Trainer's
+strategy, exactly as the fit loop does it:
+
+* automatic optimization: a closure of ``strategy.training_step`` (through the DDP
+  wrapper when there is one), ``optimizer_zero_grad`` and ``strategy.backward``, stepped
+  by ``LightningModule.optimizer_step`` (so ``on_before_optimizer_step`` and
+  ``configure_gradient_clipping`` run as in training);
+* manual optimization: ``strategy.training_step``, which steps the optimizer itself.
+
+Gradient clipping by norm (``Trainer(gradient_clip_val=...)`` or
+``self.clip_gradients(...)`` in manual optimization) runs through the precision plugin's
+``clip_grad_by_norm``, which this target routes through
+:meth:`~.user_loop.UserLoopTarget.clip_gradients` so the coefficient is logged and, in
+replay, the logged one applied. Configurations the core cannot protect fail at setup with
+the setting named: gradient accumulation, several optimizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
+
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.operators import OperatorOverride, OperatorRegistry
+from lightning_moe_ckpt.precision import MasterWeightOptimizer
+from lightning_moe_ckpt.recovery.batch_log import BatchRecord
+from lightning_moe_ckpt.targets.telemetry import RouterParser, RouterTelemetry, configured_top_k
+from lightning_moe_ckpt.targets.user_loop import UserLoopTarget
+
+
+def check_protectable(trainer: L.Trainer) -> None:
+    """Fail loudly on a Trainer configuration sparse checkpointing cannot protect."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ConfigError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
+            "supported by SparseCheckpointing: a snapshot follows every optimizer step and "
+            "replay reruns one batch per step; use accumulate_grad_batches=1 (larger "
+            "batches, or micro-batches inside training_step)")
+    if len(trainer.optimizers) != 1:
+        raise ConfigError(
+            f"SparseCheckpointing protects one optimizer; configure_optimizers returned "
+            f"{len(trainer.optimizers)}")
+
+
+class LightningTarget(UserLoopTarget):
+    """The Trainer's LightningModule, its one optimizer and its LR schedulers."""
+
+    def __init__(self, trainer: L.Trainer, module: L.LightningModule,
+                 override: OperatorOverride | None = None, top_k: int | None = None,
+                 router_parser: RouterParser | None = None) -> None:
+        check_protectable(trainer)
+        # DDP's reducer expects a gradient for every parameter it registered, so frozen
+        # parameters keep requires_grad and are restored around the step instead.
+        registry = OperatorRegistry(module, override,
+                                    freeze_by_restore=isinstance(trainer.strategy, DDPStrategy))
+        telemetry = RouterTelemetry(module, registry, configured_top_k(module, top_k),
+                                    router_parser)
+        super().__init__(module, trainer.optimizers[0], registry,
+                         [config.scheduler for config in trainer.lr_scheduler_configs],
+                         telemetry if telemetry.active else None, trainer.world_size)
+        self.trainer = trainer
+        self.module = module
+        self._route_clipping()
+
+    def _route_clipping(self) -> None:
+        plugin = self.trainer.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: int | float) -> None:
+            if isinstance(optimizer, MasterWeightOptimizer):
+                optimizer.collect_grads()  # the masters' gradients are what steps
+            self.clip_gradients([p.grad for p in plugin.main_params(optimizer)
+                                 if p.grad is not None], float(clip_val))
+
+        # An instance attribute: only this Trainer's plugin is rerouted.
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def run_step(self, record: BatchRecord) -> None:
+        trainer, strategy = self.trainer, self.trainer.strategy
+        batch = strategy.batch_to_device(record.batch)
+        if not self.module.automatic_optimization:
+            strategy.training_step(batch, record.batch_idx)
+            return
+        optimizer = self.module.optimizers()
+        assert not isinstance(optimizer, list)
+
+        def closure() -> torch.Tensor | None:
+            output = strategy.training_step(batch, record.batch_idx)
+            loss = output["loss"] if isinstance(output, Mapping) else output
+            self.module.optimizer_zero_grad(trainer.current_epoch, record.batch_idx,
+                                            optimizer.optimizer)
+            if loss is not None:
+                strategy.backward(loss, optimizer.optimizer)
+            return loss
+
+        self.module.optimizer_step(trainer.current_epoch, record.batch_idx, optimizer,
+                                   closure)
