@@ -259,6 +259,8 @@ class OperatorRegistry:
                 else:
                     self.frozen_slices.set(piece, frozen)
                     touched[id(piece.param)] = piece.param
+        if self.freeze_by_restore:
+            return  # requires_grad stays: every parameter keeps its gradient
         for param in touched.values():  # a fused tensor computes while any slice is active
             param.requires_grad_(not self.frozen_slices.all_frozen(param))
 

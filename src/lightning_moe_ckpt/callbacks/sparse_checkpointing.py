@@ -28,6 +28,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.strategies import ParallelStrategy
 from typing_extensions import override
 
 from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
@@ -53,6 +54,13 @@ def _agree_on_largest(window: int) -> int:
     value = torch.tensor([window], dtype=torch.int64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return int(value)
+
+
+def _ranks_per_node(fabric: Any) -> int:
+    """Processes per machine of a Fabric job (replicas go to other machines first)."""
+    strategy = fabric.strategy
+    nodes = strategy.num_nodes if isinstance(strategy, ParallelStrategy) else 1
+    return max(1, fabric.world_size // max(1, nodes))
 
 
 class _ProfilingHook(StepHooks):
@@ -191,7 +199,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         target = FabricTarget(fabric, model, optimizer, step_fn, schedulers, self.operators,
                               self.top_k, self.router_parser)
         self.attach(target, rank=fabric.global_rank, world_size=fabric.world_size,
-                    ranks_per_node=max(1, fabric.world_size // max(1, fabric.num_nodes)),
+                    ranks_per_node=_ranks_per_node(fabric),
                     device=fabric.device)
         return ProtectedStep(target)
 

@@ -83,7 +83,8 @@ class UserLoopTarget(TrainingTarget):
     @property
     @override
     def routing_source(self) -> str:
-        return "router hooks" if self.telemetry is not None else "static"
+        observed = self.telemetry is not None and self.telemetry.observed
+        return "router hooks" if observed else "static"
 
     def close(self) -> None:
         """Detach from the optimizer and the routers."""
@@ -96,7 +97,8 @@ class UserLoopTarget(TrainingTarget):
     # --- following the user's optimizer step -------------------------------------
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        closure = kwargs.get("closure", args[0] if args else None)
+        # ``args`` starts with the optimizer itself; a closure is the next positional.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
             self._enter_update()
             return None
@@ -108,7 +110,7 @@ class UserLoopTarget(TrainingTarget):
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": closure_then_update}
-        return (closure_then_update, *args[1:]), kwargs
+        return (args[0], closure_then_update, *args[2:]), kwargs
 
     def _enter_update(self) -> None:
         self._lr = float(self.optimizer.param_groups[0]["lr"])

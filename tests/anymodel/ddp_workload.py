@@ -1,0 +1,46 @@
+"""Two-process DDP run of the Qwen3-MoE LightningModule (``strategy="ddp"``, gloo on CPU).
+
+Run as a script: ``python tests/anymodel/ddp_workload.py OUT_DIR [FAIL_AT]``; Lightning's
+launcher starts rank 1 by running the same command. Each rank writes its parameters,
+optimizer state, per-step losses and the injector's count to ``OUT_DIR/rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
+from lightning_moe_ckpt.recovery import AtSchedule
+from tests.anymodel.harness import STEPS, WINDOW, StepLosses, optimizer_state
+from tests.anymodel.models import LMModule, qwen3_moe, random_token_loader
+
+
+def main(out: Path, fail_at: int | None) -> None:
+    torch.set_num_threads(1)
+    module = LMModule(qwen3_moe(seed=0))
+    checkpointing = SparseCheckpointing("moevement", replicas=1, window=WINDOW)
+    spy = StepLosses()
+    callbacks: list[L.Callback] = [checkpointing, spy]
+    injector = None
+    if fail_at is not None:
+        injector = FailureInjector(AtSchedule([{"step": fail_at, "rank": 0}], 2),
+                                   checkpointing)
+        callbacks.append(injector)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module, random_token_loader(n_batches=2 * (STEPS + 2)))
+    torch.save({"params": {n: p.detach().clone() for n, p in module.named_parameters()},
+                "optimizer": optimizer_state(module, trainer.optimizers[0]),
+                "losses": spy.losses, "fired": 0 if injector is None else injector.counter.total,
+                "recoveries": [] if injector is None else injector.recoveries,
+                "frozen_during_replay": spy.frozen_during_replay},
+               out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None)
