@@ -71,7 +71,8 @@ def test_hf_models_have_one_operator_per_expert(builder: object) -> None:
     names = run.checkpointing.operator_names()
     experts = [n for n in names if expert_position(n) is not None]
     assert len(experts) == 16  # 2 layers x 8 experts, from fused [E, ...] tensors
-    assert {expert_position(n) for n in experts} == {(l, e) for l in range(2) for e in range(8)}
+    expected = {(layer, e) for layer in range(2) for e in range(8)}
+    assert {expert_position(n) for n in experts} == expected
 
 
 def test_torchtitan_style_grouped_experts_are_sliced() -> None:

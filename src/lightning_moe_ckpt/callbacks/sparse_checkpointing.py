@@ -28,7 +28,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
@@ -59,7 +59,7 @@ def _agree_on_largest(window: int) -> int:
 def _ranks_per_node(fabric: Any) -> int:
     """Processes per machine of a Fabric job (replicas go to other machines first)."""
     strategy = fabric.strategy
-    nodes = strategy.num_nodes if isinstance(strategy, ParallelStrategy) else 1
+    nodes = strategy.num_nodes if isinstance(strategy, DDPStrategy) else 1
     return max(1, fabric.world_size // max(1, nodes))
 
 
