@@ -20,14 +20,17 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from omegaconf import DictConfig
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
+from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
 from lightning_moe_ckpt.recovery.faults import schedule_from_config
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.training.hf_module import HFLanguageModule
 from lightning_moe_ckpt.training.history import TrainingHistory, ValidationRecord
 from lightning_moe_ckpt.training.lightning_module import MoELanguageModule
 from lightning_moe_ckpt.training.outputs import (
@@ -36,6 +39,7 @@ from lightning_moe_ckpt.training.outputs import (
     PLOT,
     consolidated_state,
     plot_training,
+    target_state,
     write_metrics,
 )
 from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
@@ -120,6 +124,35 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
                         module.data_shard, core, checkpointing, injector)
 
 
+def _train_hf_with_trainer(settings: RunSettings, data: RunData,
+                           history: TrainingHistory) -> dict[str, Any]:
+    """A Hugging Face MoE as a user's own LightningModule (one process): returns its
+    consolidated state."""
+    plan = settings.layout
+    require(plan.world_size == 1,
+            f"model.family={settings.model.family!r} runs in one process here; parallel.pp="
+            f"{plan.pp} x parallel.dp={plan.dp} x parallel.ep={plan.ep} is not supported yet")
+    require(settings.api == "trainer",
+            f"model.family={settings.model.family!r} runs with api=trainer (api={settings.api})")
+    require(settings.precision == "32",
+            f"model.family={settings.model.family!r} trains in fp32 "
+            f"(trainer.precision={settings.precision!r})")
+    module = HFLanguageModule(settings, history)
+    checkpointing = _checkpointing(settings)
+    injector = _failure_injector(settings, checkpointing)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, precision="32-true", max_steps=settings.max_steps,
+        logger=_csv_logger(settings), enable_checkpointing=False,
+        enable_progress_bar=settings.progress_bar, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=settings.log_every,
+        default_root_dir=settings.out_dir, gradient_clip_val=settings.optim.max_grad_norm,
+        callbacks=[c for c in (checkpointing, injector) if c is not None])
+    train = IterationDataset(data.train, settings.max_steps)
+    trainer.fit(module, DataLoader(train, batch_size=None))
+    state = target_state(module.model, trainer.optimizers[0], trainer.global_step)
+    return {"state": state, "checkpointing": checkpointing, "injector": injector}
+
+
 def _train_with_fabric(settings: RunSettings, data: RunData,
                        history: TrainingHistory) -> TrainedState:
     distributed = settings.layout.world_size > 1
@@ -183,25 +216,30 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(settings.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     history = TrainingHistory()
-    train = _train_with_trainer if settings.api == "trainer" else _train_with_fabric
-    trained = train(settings, data, history)
-    engine = trained.engine
-    if trained.strategy_core is not None:
-        state = gather_consolidated_state(engine, trained.strategy_core.coordinates,
-                                          trained.step)
+    if settings.model.family != "builtin":
+        user = _train_hf_with_trainer(settings, data, history)
+        state, checkpointing, injector = user["state"], user["checkpointing"], user["injector"]
     else:
-        state = consolidated_state(engine.model, engine.optimizer, trained.step)
-    if trained.global_rank != 0:
-        return {}
+        train = _train_with_trainer if settings.api == "trainer" else _train_with_fabric
+        trained = train(settings, data, history)
+        engine = trained.engine
+        if trained.strategy_core is not None:
+            state = gather_consolidated_state(engine, trained.strategy_core.coordinates,
+                                              trained.step)
+        else:
+            state = consolidated_state(engine.model, engine.optimizer, trained.step)
+        if trained.global_rank != 0:
+            return {}
+        checkpointing, injector = trained.checkpointing, trained.injector
     assert state is not None
     torch.save(state, out_dir / FINAL_STATE)
     extra: dict[str, Any] = {"data": data.corpus.name,
                              "data_fingerprint": data.corpus.fingerprint}
-    if trained.checkpointing is not None:
-        extra.update(trained.checkpointing.metrics(sum(history.iteration_seconds)))
-    if trained.injector is not None:
-        extra.update(trained.injector.metrics())
-        print(trained.injector.report())
+    if checkpointing is not None:
+        extra.update(checkpointing.metrics(sum(history.iteration_seconds)))
+    if injector is not None:
+        extra.update(injector.metrics())
+        print(injector.report())
     metrics = write_metrics(out_dir / METRICS, settings, history, extra)
     plot_training(out_dir / PLOT, history, f"{settings.model.name}, {settings.api}")
     return metrics

@@ -86,3 +86,28 @@ def test_faults_without_checkpointing_is_refused(tmp_path: Path) -> None:
     assert "faults=at needs a checkpoint policy" in result.stderr
     result = run_recipe(tmp_path, "faults=at", "faults.events=[{step: 2, rank: 5}]")
     assert result.returncode != 0 and "faults.events[0].rank=5" in result.stderr
+
+
+def test_hugging_face_model_recipe_recovers_bitwise(tmp_path: Path) -> None:
+    """``model=hf_qwen3_moe``: a Hugging Face Qwen3-MoE in a plain LightningModule (torch
+    AdamW, automatic optimization, gradient clipping) recovers bitwise in the recipe."""
+    common = ("model=hf_qwen3_moe", "trainer.max_steps=10", "checkpoint.window=3")
+    golden = run_recipe(tmp_path / "golden", *common)
+    assert golden.returncode == 0, golden.stderr[-4000:]
+    failed = run_recipe(tmp_path / "failed", *common, "faults=at",
+                        "faults.events=[{step: 7, rank: 0}]")
+    assert failed.returncode == 0, failed.stderr[-4000:]
+    metrics = json.loads((tmp_path / "failed" / "metrics.json").read_text())
+    assert metrics["failures_injected"] == 1
+    assert metrics["recoveries"][0]["iterations_replayed"] == 3
+    assert metrics["routing_telemetry"] == "router hooks"
+    golden_losses = json.loads((tmp_path / "golden" / "metrics.json").read_text())["loss"]
+    assert metrics["loss"] == golden_losses
+    assert_states_equal(tmp_path / "golden" / "final_state.pt",
+                        tmp_path / "failed" / "final_state.pt")
+
+
+def test_hugging_face_model_refuses_parallel_layouts(tmp_path: Path) -> None:
+    result = run_recipe(tmp_path, "model=hf_qwen3_moe", "parallel.pp=2")
+    assert result.returncode != 0
+    assert "parallel.pp=2" in result.stderr and "hf_qwen3_moe" in result.stderr

@@ -15,6 +15,8 @@ from typing import Any
 
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
 
+MODEL_FAMILIES = ("builtin", "hf_qwen3_moe")
+
 
 @dataclass(frozen=True)
 class MoEModelConfig:
@@ -26,6 +28,9 @@ class MoEModelConfig:
     """
 
     name: str = "tiny"
+    # builtin: the library's MoETransformer; hf_qwen3_moe: a Hugging Face Qwen3-MoE of
+    # this shape (randomly initialised from its config, no download)
+    family: str = "builtin"
     vocab_size: int = 256
     d_model: int = 64
     n_layers: int = 4
@@ -41,6 +46,9 @@ class MoEModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        require(self.family in MODEL_FAMILIES,
+                f"model.family={self.family!r} is unknown; choose one of "
+                f"{', '.join(MODEL_FAMILIES)}")
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k",
                     "expert_hidden", "max_seq_len"):
             value = getattr(self, key)

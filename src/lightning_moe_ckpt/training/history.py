@@ -54,6 +54,13 @@ class TrainingHistory:
         self.expert_load_total = load.clone() if self.expert_load_total is None \
             else self.expert_load_total.add_(load)
 
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Append one iteration of a model without routing statistics (a user's model)."""
+        if self._started is not None:
+            self.iteration_seconds.append(time.perf_counter() - self._started)
+            self._started = None
+        self.losses.append(loss)
+
     def loss_values(self) -> list[float]:
         """Per-step training loss as Python floats (one host transfer)."""
         return torch.stack(self.losses).tolist() if self.losses else []

@@ -22,6 +22,7 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt
 import torch
 
+from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
 from lightning_moe_ckpt.precision import MasterWeightAdamW
 from lightning_moe_ckpt.training.history import TrainingHistory
 from lightning_moe_ckpt.training.settings import RunSettings
@@ -38,6 +39,19 @@ def consolidated_state(model: torch.nn.Module, optimizer: MasterWeightAdamW,
     master = {name: t.cpu().clone() for name, t in optimizer.master_weights().items()}
     moments = {name: {k: v.detach().cpu().clone() for k, v in entries.items()}
                for name, entries in optimizer.optimizer_state().items()}
+    return {"step": step, "model": master, "compute": compute, "optimizer": moments}
+
+
+def target_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 step: int) -> dict[str, Any]:
+    """:func:`consolidated_state` of any model and torch optimizer (one process)."""
+    access = OptimizerStateAccess(optimizer)
+    compute = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    master = {name: access.master(p).detach().float().cpu().clone()
+              for name, p in model.named_parameters()}
+    moments = {name: {k: v.detach().cpu().clone() for k, v in state.items()}
+               for name, p in model.named_parameters()
+               if (state := access.state_of(p)) is not None}
     return {"step": step, "model": master, "compute": compute, "optimizer": moments}
 
 
