@@ -82,6 +82,7 @@ class CheckpointCoordinator(StepHooks):
         self.profile: dict[str, float] | None = None
         self._snapshot_taken = False
         self._specs_measured = False
+        self.paused_forward_backward = 0  # set by a localized recovery this rank sat out
         self.max_replication_lag = 0
         self._period_s: float | None = None
         self._last_step_end: float | None = None

@@ -27,9 +27,11 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_moe_ckpt.checkpoint.codec import CorruptCheckpointError, decode_snapshot
+from lightning_moe_ckpt.checkpoint.planners import BasePlanner
 from lightning_moe_ckpt.checkpoint.planners_dense import CheckFreqPlanner, GeminiPlanner
 from lightning_moe_ckpt.recovery.global_rollback import global_rollback
 from lightning_moe_ckpt.recovery.partial_restore import partial_restore
+from lightning_moe_ckpt.recovery.protocol import CheckpointSide
 from lightning_moe_ckpt.recovery.replay import (
     RecoveryReport,
     SnapshotView,
@@ -39,12 +41,12 @@ from lightning_moe_ckpt.recovery.replay import (
 )
 
 
-def is_baseline(planner: Any) -> bool:
+def is_baseline(planner: BasePlanner) -> bool:
     """Whether ``planner`` is a baseline policy with its own recovery."""
     return planner.restores_partially or isinstance(planner, GeminiPlanner | CheckFreqPlanner)
 
 
-def recover_baseline(coordinator: Any, failed_step: int,
+def recover_baseline(coordinator: CheckpointSide, failed_step: int,
                      failed_ranks: Iterable[int], world_size: int) -> RecoveryReport:
     """Recover a baseline policy's run (collective when ``world_size > 1``)."""
     planner = coordinator.planner
@@ -57,7 +59,7 @@ def recover_baseline(coordinator: Any, failed_step: int,
     return global_rollback(coordinator, failed_step, failed_ranks)
 
 
-def disk_rollback(coordinator: Any, failed_step: int,
+def disk_rollback(coordinator: CheckpointSide, failed_step: int,
                   failed_ranks: Iterable[int]) -> RecoveryReport:
     """CheckFreq: every rank rolls back to the newest dense snapshot all of them persisted
     to disk; survivors use their host copy, failed ranks read their own file (collective)."""
@@ -65,6 +67,7 @@ def disk_rollback(coordinator: Any, failed_step: int,
     failed = tuple(sorted(set(failed_ranks)))
     rank, world = dist.get_rank(), dist.get_world_size()
     persister = coordinator.persister
+    assert persister is not None  # recover_baseline routes only disk-persisting runs here
     coordinator.snapshots.wait_copies()
     persister.drain()  # what was taken before the failure is on disk
     coordinator.drain_acks()

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_moe_ckpt.checkpoint.codec import CorruptCheckpointError
-from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
 from lightning_moe_ckpt.recovery.baselines import is_baseline, recover_baseline
 from lightning_moe_ckpt.recovery.durable import recover_from_durable
 from lightning_moe_ckpt.recovery.global_rollback import global_rollback
 from lightning_moe_ckpt.recovery.localized import localized_rollback
+from lightning_moe_ckpt.recovery.protocol import CheckpointSide
 from lightning_moe_ckpt.recovery.replay import Cascade, RecoveryReport, recover_from_store
 from lightning_moe_ckpt.recovery.scope import recovery_scopes
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
@@ -63,7 +63,7 @@ class RecoveryOutcome:
     rolled_back: list[int]
 
 
-def recover(request: RecoveryRequest, coordinator: CheckpointCoordinator,
+def recover(request: RecoveryRequest, coordinator: CheckpointSide,
             upstream_log: UpstreamLog | None = None,
             durable: DurableFallback | None = None) -> RecoveryOutcome:
     """Bring this rank back to the state before ``request.failed_step`` (collective when
@@ -82,7 +82,7 @@ def recover(request: RecoveryRequest, coordinator: CheckpointCoordinator,
         return RecoveryOutcome(report, list(range(coordinator.world_size)))
 
 
-def _recover(request: RecoveryRequest, coordinator: CheckpointCoordinator,
+def _recover(request: RecoveryRequest, coordinator: CheckpointSide,
              log: UpstreamLog | None) -> RecoveryOutcome:
     step, failed, cascade = request.failed_step, list(request.failed_ranks), request.cascade
     world = coordinator.world_size

@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_moe_ckpt.checkpoint.replication import CorruptCheckpointError
+from lightning_moe_ckpt.recovery.protocol import CheckpointSide
 from lightning_moe_ckpt.recovery.replay import (
     Cascade,
     RecoveryInterrupted,
@@ -37,7 +38,7 @@ from lightning_moe_ckpt.recovery.replay import (
 )
 
 
-def agree_on_window(coordinator: Any, failed: tuple[int, ...],
+def agree_on_window(coordinator: CheckpointSide, failed: tuple[int, ...],
                     wants_window: bool) -> tuple[int, list[SnapshotView] | None]:
     """Collective prologue of every recovery: drain copies and replication, drop what the
     failed ranks lost, agree on the newest window persisted on every surviving rank and
@@ -70,7 +71,7 @@ def agree_on_window(coordinator: Any, failed: tuple[int, ...],
     raise CorruptCheckpointError("no usable checkpoint window: " + " | ".join(tried))
 
 
-def _window_views(coordinator: Any, failed: tuple[int, ...], wants_window: bool,
+def _window_views(coordinator: CheckpointSide, failed: tuple[int, ...], wants_window: bool,
                   start: int) -> list[SnapshotView] | None:
     """This rank's snapshots of window ``start``: from its own store when it still holds
     the window persisted, else from a replica peer (collective)."""
@@ -96,7 +97,7 @@ def _window_views(coordinator: Any, failed: tuple[int, ...], wants_window: bool,
     return views
 
 
-def _previous_window(coordinator: Any, start: int) -> int | None:
+def _previous_window(coordinator: CheckpointSide, start: int) -> int | None:
     """The newest window older than ``start`` that any rank still holds (collective)."""
     replicator = coordinator.replicator
     held = set(coordinator.store.windows)
@@ -108,7 +109,7 @@ def _previous_window(coordinator: Any, start: int) -> int | None:
     return max(older) if older else None
 
 
-def global_rollback(coordinator: Any, failed_step: int,
+def global_rollback(coordinator: CheckpointSide, failed_step: int,
                     failed_ranks: Iterable[int],
                     cascade: Cascade | None = None) -> RecoveryReport:
     """Roll every rank back to the common persisted window and replay to ``failed_step``.
@@ -137,7 +138,7 @@ def global_rollback(coordinator: Any, failed_step: int,
     return report
 
 
-def _global_round(coordinator: Any, failed_step: int,
+def _global_round(coordinator: CheckpointSide, failed_step: int,
                   failed: tuple[int, ...], stop_after: int | None) -> RecoveryReport:
     started = time.perf_counter()
     _, views = agree_on_window(coordinator, failed, True)

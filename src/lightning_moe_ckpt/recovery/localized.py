@@ -31,8 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_moe_ckpt.parallel.engine import DistributedExecutor
 from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
 from lightning_moe_ckpt.recovery.global_rollback import agree_on_window
+from lightning_moe_ckpt.recovery.protocol import CheckpointSide
 from lightning_moe_ckpt.recovery.replay import (
     Cascade,
     RecoveryInterrupted,
@@ -41,6 +43,7 @@ from lightning_moe_ckpt.recovery.replay import (
 )
 from lightning_moe_ckpt.recovery.scope import RecoveryScope, recovery_scopes
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
+from lightning_moe_ckpt.training.engine import TrainingEngine
 
 
 def _neighbour_logs(log: UpstreamLog, plan: ParallelPlan, coords: Coordinates,
@@ -60,7 +63,7 @@ def _neighbour_logs(log: UpstreamLog, plan: ParallelPlan, coords: Coordinates,
     return handed
 
 
-def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
+def localized_rollback(coordinator: CheckpointSide, log: UpstreamLog, plan: ParallelPlan,
                        coords: Coordinates, failed_step: int,
                        failed_ranks: Iterable[int],
                        cascade: Cascade | None = None) -> RecoveryReport | None:
@@ -108,7 +111,7 @@ def localized_rollback(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
     return report
 
 
-def _recover_scopes(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
+def _recover_scopes(coordinator: CheckpointSide, log: UpstreamLog, plan: ParallelPlan,
                     coords: Coordinates, failed_step: int,
                     failed: tuple[int, ...], scope_pp: set[int],
                     stop_after: int | None) -> RecoveryReport | None:
@@ -118,7 +121,11 @@ def _recover_scopes(coordinator: Any, log: UpstreamLog, plan: ParallelPlan,
     started = time.perf_counter()
     world = dist.get_world_size()
     in_scope = coords.pp in scope_pp
-    executor = coordinator.target.executor
+    target = coordinator.target
+    executor = target.executor if isinstance(target, TrainingEngine) else None
+    if not isinstance(executor, DistributedExecutor) or executor.runner is None:
+        raise TypeError("localized rollback replays through the built-in pipeline engine; "
+                        f"{type(target).__name__} recovers by global rollback")
     common, views = agree_on_window(coordinator, failed, in_scope)
     iterations = range(common + 1, failed_step)
     handed: list[Any] = [None] * world

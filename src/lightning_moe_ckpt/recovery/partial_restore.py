@@ -50,6 +50,7 @@ from lightning_moe_ckpt.checkpoint.replication import replica_peers
 from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
 from lightning_moe_ckpt.checkpoint.schedule import expert_position
 from lightning_moe_ckpt.checkpoint.snapshot import SnapshotPiece
+from lightning_moe_ckpt.recovery.protocol import CheckpointSide
 from lightning_moe_ckpt.recovery.replay import (
     RecoveryReport,
     load_piece,
@@ -83,7 +84,8 @@ def _raise_if_any(error: str | None) -> None:
         raise CorruptCheckpointError("partial restore impossible: " + "; ".join(problems))
 
 
-def _stores(coordinator: Any) -> tuple[RetainingSnapshotStore, RetainingReplicaStore | None]:
+def _stores(coordinator: CheckpointSide
+            ) -> tuple[RetainingSnapshotStore, RetainingReplicaStore | None]:
     store, replicator = coordinator.store, coordinator.replicator
     replicas = None if replicator is None else replicator.replicas
     if not isinstance(store, RetainingSnapshotStore) or not (
@@ -93,7 +95,7 @@ def _stores(coordinator: Any) -> tuple[RetainingSnapshotStore, RetainingReplicaS
     return store, replicas
 
 
-def _drain(coordinator: Any, forget: bool) -> None:
+def _drain(coordinator: CheckpointSide, forget: bool) -> None:
     """Step 1: everything taken before the failure is copied, checksummed, replicated."""
     store, replicas = _stores(coordinator)
     coordinator.snapshots.wait_copies()
@@ -120,7 +122,7 @@ def _persisted_steps(store: RetainingSnapshotStore) -> list[int]:
                   or (store.replicas == 0 and snapshot.checksummed.is_set()))
 
 
-def _holders(coordinator: Any, source: int, failed: tuple[int, ...]) -> list[int]:
+def _holders(coordinator: CheckpointSide, source: int, failed: tuple[int, ...]) -> list[int]:
     replicator = coordinator.replicator
     if replicator is None:
         return []
@@ -128,7 +130,7 @@ def _holders(coordinator: Any, source: int, failed: tuple[int, ...]) -> list[int
                                      replicator.ranks_per_node) if p not in failed]
 
 
-def agree_on_step(coordinator: Any, failed: tuple[int, ...]) -> int:
+def agree_on_step(coordinator: CheckpointSide, failed: tuple[int, ...]) -> int:
     """Step 2 (collective): the newest iteration every rank's snapshot persisted at."""
     rank, world = _world()
     store, replicas = _stores(coordinator)
@@ -229,7 +231,7 @@ def _unbundle(bundle: dict[str, Any], step: int) -> Restore | str:
     return saves, base["metadata"]
 
 
-def _fetch(coordinator: Any, failed: tuple[int, ...], step: int) -> Restore | None:
+def _fetch(coordinator: CheckpointSide, failed: tuple[int, ...], step: int) -> Restore | None:
     """Step 3 for failed ranks (collective): each receives its bundle from its first live
     replica peer whose copy is intact; returns this rank's restore if it is a failed one."""
     rank, _ = _world()
@@ -240,6 +242,7 @@ def _fetch(coordinator: Any, failed: tuple[int, ...], step: int) -> Restore | No
         holders = _holders(coordinator, source, failed)
         for holder in holders:
             outcome: Restore | str | None = None
+            assert replicator is not None  # _holders names peers only with a replicator
             if rank == holder:
                 replicas = replicator.replicas
                 assert isinstance(replicas, RetainingReplicaStore)
@@ -283,7 +286,7 @@ def _load(engine: TrainingTarget, saves: dict[str, Save], metadata: dict[str, An
     return stale, None
 
 
-def _forget_saves(coordinator: Any) -> None:
+def _forget_saves(coordinator: CheckpointSide) -> None:
     """The dense base snapshot taken next supersedes every older save, here and on the
     replica peers (and no save of the abandoned iterations may ever be restored)."""
     store, replicas = _stores(coordinator)
@@ -292,7 +295,7 @@ def _forget_saves(coordinator: Any) -> None:
         replicas.clear()
 
 
-def partial_restore(coordinator: Any, failed_step: int,
+def partial_restore(coordinator: CheckpointSide, failed_step: int,
                     failed_ranks: Iterable[int]) -> RecoveryReport:
     """Restore every rank from its newest persisted saves and continue at ``failed_step``
     (collective when distributed; see the module docstring)."""

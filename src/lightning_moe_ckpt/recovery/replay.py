@@ -32,7 +32,7 @@ from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
 from lightning_moe_ckpt.targets.base import TrainingTarget
 
 if TYPE_CHECKING:
-    from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
+    from lightning_moe_ckpt.recovery.protocol import CheckpointSide
 
 SnapshotView = Mapping[str, Any]  # {"step", "metadata", "pieces": {op: {"kind", "tensors"}}}
 
@@ -153,7 +153,7 @@ def _check_interrupt(report: RecoveryReport, stop_after: int | None) -> None:
         raise RecoveryInterrupted(report)
 
 
-def recover_from_store(coordinator: CheckpointCoordinator,
+def recover_from_store(coordinator: CheckpointSide,
                        failed_step: int) -> RecoveryReport:
     """Rollback of one process from its own store: drop the in-flight window (its host
     copies died with the failure), convert the newest persisted window and replay."""
