@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_moe_ckpt.checkpoint.popularity import PopularityTracker as _Tracker
 from lightning_moe_ckpt.targets.base import StepHooks, StepResult
 from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.training.lightning_module import MoELanguageModule
 
 
 class PopularityTracker(L.Callback, StepHooks):
@@ -71,10 +72,10 @@ class PopularityTracker(L.Callback, StepHooks):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        engine = getattr(pl_module, "engine", None)
-        if not isinstance(engine, TrainingEngine):
-            raise TypeError("PopularityTracker needs a module with a TrainingEngine")
-        self.attach(engine)
+        if not isinstance(pl_module, MoELanguageModule):
+            raise TypeError("PopularityTracker tracks the built-in MoELanguageModule; for "
+                            "your own model SparseCheckpointing reads the routers itself")
+        self.attach(pl_module.engine_or_raise())
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
