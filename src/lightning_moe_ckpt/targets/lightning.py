@@ -43,6 +43,12 @@ def check_protectable(trainer: L.Trainer) -> None:
             "supported by SparseCheckpointing: a snapshot follows every optimizer step and "
             "replay reruns one batch per step; use accumulate_grad_batches=1 (larger "
             "batches, or micro-batches inside training_step)")
+    precision = str(trainer.precision)
+    if precision.startswith("16"):
+        raise ConfigError(
+            f"Trainer(precision={precision!r}) is not supported by SparseCheckpointing: its "
+            "gradient scaler skips optimizer steps, which replay cannot reproduce; use "
+            "bf16-mixed, bf16-true or 32-true")
     if len(trainer.optimizers) != 1:
         raise ConfigError(
             f"SparseCheckpointing protects one optimizer; configure_optimizers returned "
@@ -80,6 +86,15 @@ class LightningTarget(UserLoopTarget):
 
         # An instance attribute: only this Trainer's plugin is rerouted.
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def start_iteration(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step != self.step:
+            raise RuntimeError(
+                f"the Trainer is at step {self.trainer.global_step} but SparseCheckpointing "
+                f"counted {self.step} optimizer steps: an optimizer step ran outside the "
+                "protected optimizer, or was skipped")
+        super().start_iteration(batch, batch_idx)
 
     @override
     def run_step(self, record: BatchRecord) -> None:

@@ -86,6 +86,8 @@ class RouterTelemetry:
 
     def _hook(self, layer: int) -> Callable[[nn.Module, Any, Any], None]:
         def record(module: nn.Module, args: Any, output: Any) -> None:
+            if not module.training:
+                return  # validation and inference forwards route no training tokens
             parsed = (self.parser(output) if self.parser is not None
                       else parse_router_output(output, self.n_experts, self.top_k))
             if parsed is None:
