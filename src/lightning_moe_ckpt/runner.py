@@ -11,12 +11,16 @@ writes ``final_state.pt``, ``metrics.json`` and the training plot into ``out_dir
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from omegaconf import DictConfig
@@ -26,8 +30,12 @@ from tqdm.auto import tqdm
 from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
-from lightning_moe_ckpt.recovery.faults import schedule_from_config
+from lightning_moe_ckpt.recovery.faults import has_real_faults, schedule_from_config
+from lightning_moe_ckpt.recovery.real_failures import PeerFailureHandler
+from lightning_moe_ckpt.recovery.rendezvous import JobStore, supervised
+from lightning_moe_ckpt.recovery.supervisor import Supervisor, report_of
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
+from lightning_moe_ckpt.targets.base import IterationAborted
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.hf_module import HFLanguageModule
@@ -91,12 +99,53 @@ def _launch_settings(settings: RunSettings) -> dict[str, Any]:
 
 def _strategy_args(settings: RunSettings) -> dict[str, Any]:
     plan = settings.layout
-    return {"pp": plan.pp, "dp": plan.dp, "ep": plan.ep, "schedule": plan.schedule,
-            "process_group_backend": settings.hardware.backend}
+    args: dict[str, Any] = {"pp": plan.pp, "dp": plan.dp, "ep": plan.ep,
+                            "schedule": plan.schedule,
+                            "process_group_backend": settings.hardware.backend}
+    if supervised():  # collectives give up on a dead peer in time
+        args["timeout"] = timedelta(seconds=settings.recovery.timeout_s)
+    return args
 
 
 def _csv_logger(settings: RunSettings) -> CSVLogger:
     return CSVLogger(save_dir=settings.out_dir, name="csv", version=0)
+
+
+def _job_store(settings: RunSettings) -> JobStore | None:
+    """This worker's handle on the supervised job (``None`` when not supervised)."""
+    return JobStore.from_env(timeout=timedelta(seconds=settings.recovery.timeout_s))
+
+
+def _needs_supervisor(settings: RunSettings) -> bool:
+    """Real failures are configured: the job runs under the supervisor."""
+    if settings.faults.get("name", "none") == "none":
+        return False
+    schedule = schedule_from_config(settings.faults, world_size=settings.layout.world_size,
+                                    max_steps=settings.max_steps, seed=settings.seed)
+    return has_real_faults(schedule)
+
+
+def _supervise(settings: RunSettings) -> dict[str, Any]:
+    """Run the job's workers under the supervisor (this process hosts the store)."""
+    require(settings.layout.world_size > 1,
+            f"faults.kind={settings.faults.get('kind')!r}: real failures need several "
+            "worker processes (a layout with parallel.pp x dp x ep > 1)")
+    require(settings.api == "fabric",
+            "real failures (faults.kind=kill|exit|exception|hang) run with api=fabric in "
+            f"this version (api={settings.api})")
+    supervisor = Supervisor([sys.executable, *sys.argv], settings.layout.world_size,
+                            settings.recovery.timeout_s, settings.recovery.max_restarts)
+    code = supervisor.run()
+    path = Path(settings.out_dir) / METRICS
+    if code != 0:
+        raise SystemExit(code)
+    metrics: dict[str, Any] = json.loads(path.read_text())
+    metrics["replacements"] = report_of(supervisor.replacements)
+    path.write_text(json.dumps(metrics, indent=2))
+    for r in supervisor.replacements:
+        print(f"  generation {r.generation}: rank {r.rank} ({r.cause}) pid {r.dead_pid} "
+              f"replaced by pid {r.new_pid}")
+    return metrics
 
 
 def _train_with_trainer(settings: RunSettings, data: RunData,
@@ -169,25 +218,49 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     shard = strategy.core.data_shard if distributed else 0
     engine.batch = lambda t: data.train.iteration(t, shard)  # replay reads the sampler
     _, wrapped_optimizer = fabric.setup(engine.model, engine.optimizer)
+    job = _job_store(settings)
     if checkpointing is not None:
+        # A replacement starts empty: its state comes from its peers in the recovery.
         checkpointing.attach(engine, rank=fabric.global_rank, world_size=fabric.world_size,
                              ranks_per_node=max(1, _launch_settings(settings)["devices"]),
-                             device=fabric.device)
+                             device=fabric.device,
+                             take_initial=job is None or job.replaces is None)
     injector = _failure_injector(settings, checkpointing)
     if injector is not None:
         injector.attach(engine, fabric.global_rank, fabric.world_size)
+    handler = None
+    if job is not None and checkpointing is not None and distributed:
+        coordinator = checkpointing.coordinator
+        assert coordinator is not None
+
+        def reform_groups() -> None:
+            strategy.core.reform(engine, fabric.device)
+            coordinator.reform_replication()
+
+        handler = PeerFailureHandler(job, engine, coordinator, reform_groups,
+                                     dist.get_backend(), checkpointing.upstream_log)
+        engine.hooks.insert(0, handler)  # heartbeat and generation check come first
+        if job.replaces is not None:
+            handler.join_as_replacement()
+            if injector is not None:  # this rank's own fault is behind it
+                injector.real_from = engine.step + 1
     layer_ids = list(range(settings.model.n_layers))
     metrics = ValidationMetrics()
     train = IterationDataset(data.train, settings.max_steps, shard=shard)
     val = IterationDataset(data.val, settings.val_batches, shard=shard)
     show = settings.progress_bar and fabric.global_rank == 0
-    steps = tqdm(range(settings.max_steps), desc="train", disable=not show)
-    for step in steps:
+    steps = tqdm(total=settings.max_steps, initial=engine.step, desc="train", disable=not show)
+    while engine.step < settings.max_steps:
+        step = engine.step
         batch = train[step]
         history.start_iteration()
-        result = engine.train_iteration(batch["inputs"], batch["targets"], fabric.backward,
-                                        wrapped_optimizer.step)
+        try:
+            result = engine.train_iteration(batch["inputs"], batch["targets"],
+                                            fabric.backward, wrapped_optimizer.step)
+        except IterationAborted:  # a peer failed and was recovered: go on at engine.step
+            continue
         history.record(result)
+        steps.update(1)
         done = step + 1
         if done % settings.log_every == 0:
             values: dict[str, Any] = dict(step_log_values(result, layer_ids))
@@ -212,6 +285,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     """Train as the recipe config says and write the run's artifacts on rank 0; returns the
     metrics (empty on other ranks)."""
     settings = settings_from_config(cfg)
+    if _needs_supervisor(settings) and not supervised():
+        return _supervise(settings)
     data = build_data(settings)
     out_dir = Path(settings.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

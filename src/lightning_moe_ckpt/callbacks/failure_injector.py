@@ -20,6 +20,8 @@ ranks, phase timings).
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +35,7 @@ from lightning_moe_ckpt.recovery.baselines import is_baseline
 from lightning_moe_ckpt.recovery.entry import DurableFallback, RecoveryRequest, recover
 from lightning_moe_ckpt.recovery.faults import (
     FailureCounter,
+    FailureEvent,
     FaultSchedule,
     destroy_rank_state,
 )
@@ -42,6 +45,23 @@ from lightning_moe_ckpt.targets.base import StepHooks, TrainingTarget
 # Recovery phases in the order they happen ("convert_load": loading the window's first
 # snapshot; "convert": replaying the window with frozen operators).
 PHASE_ORDER = ("detect", "fetch", "convert_load", "convert", "replay", "resume", "total")
+
+
+class InjectedFailure(Exception):
+    """``kind: exception``: the training step of the failing rank raises this."""
+
+
+def fail_for_real(event: FailureEvent) -> None:
+    """Do to this process what a real failure of ``event.kind`` does."""
+    if event.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif event.kind == "exit":
+        os._exit(1)
+    elif event.kind == "exception":
+        raise InjectedFailure(f"injected exception on rank {event.rank} at step {event.step}")
+    elif event.kind == "hang":
+        while True:  # no progress, no heartbeat: the supervisor kills it after its timeout
+            time.sleep(3600)
 
 
 class FailureInjector(L.Callback, StepHooks):
@@ -55,6 +75,8 @@ class FailureInjector(L.Callback, StepHooks):
         self.target: TrainingTarget | None = None
         self.rank, self.world_size = 0, 1
         self.trainer: L.Trainer | None = None  # loads durable checkpoints when set
+        # Real faults fire from this step on (a replacement joins after its rank's fault).
+        self.real_from = 0
 
     def attach(self, target: TrainingTarget, rank: int = 0, world_size: int = 1) -> None:
         """Start injecting into ``target`` (attach ``checkpointing`` first)."""
@@ -76,6 +98,11 @@ class FailureInjector(L.Callback, StepHooks):
                for event in self.schedule.events_at(step + 1)):
             coordinator.snapshots.interrupt_copy(step)
         events = self.schedule.events_at(step)
+        for event in events:
+            if event.real and event.rank == self.rank and step >= self.real_from:
+                self.counter.record(event)
+                fail_for_real(event)
+        events = [event for event in events if not event.real]  # nobody else reads those
         if not events:
             return
         detected = time.perf_counter()

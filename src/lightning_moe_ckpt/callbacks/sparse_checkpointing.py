@@ -144,8 +144,9 @@ class SparseCheckpointing(L.Callback, StepHooks):
 
     def attach(self, target: TrainingTarget, *, rank: int = 0, world_size: int = 1,
                ranks_per_node: int = 1, device: torch.device | None = None,
-               copy_delay_s: float = 0.0) -> CheckpointCoordinator:
-        """Start checkpointing ``target`` (takes the initial dense snapshot now)."""
+               copy_delay_s: float = 0.0, take_initial: bool = True) -> CheckpointCoordinator:
+        """Start checkpointing ``target`` (takes the initial dense snapshot now, unless
+        ``take_initial`` is off: a replacement process gets its state in a recovery)."""
         if self.coordinator is not None:
             if self.target is target:
                 return self.coordinator
@@ -179,7 +180,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self.target = target
         self.coordinator = CheckpointCoordinator(
             target, planner, rank, world_size, self.replicas, ranks_per_node, device,
-            copy_delay_s, initial_plan=initial, persist_dir=persist_dir)
+            copy_delay_s, initial_plan=initial if take_initial else None,
+            persist_dir=persist_dir)
         if target.batch_log is not None:
             self.coordinator.store.release_listeners.append(target.batch_log.release_before)
         if self.upstream_log is not None:

@@ -69,6 +69,7 @@ class CheckpointCoordinator(StepHooks):
         partial = planner.restores_partially
         store_type = RetainingSnapshotStore if partial else SnapshotStore
         self.store = store_type(self.pool, 1 if self.persister else effective)
+        self._replication_args = (effective, ranks_per_node, acknowledge)
         self.replicator = (Replicator(effective, ranks_per_node, acknowledge,
                                       RetainingReplicaStore() if partial else None)
                            if effective > 0 and self.persister is None else None)
@@ -185,6 +186,15 @@ class CheckpointCoordinator(StepHooks):
         self.store.discard_all()
         if self.replicator is not None:
             self.replicator.replicas.windows.clear()
+
+    def reform_replication(self) -> None:
+        """The process groups were formed anew: replicate over a new group, keeping the
+        replicas this rank holds for its peers (collective, like the first one)."""
+        old = self.replicator
+        if old is None:
+            return
+        old.close(timeout_s=10.0)  # its thread stopped at the broken group, or idles
+        self.replicator = Replicator(*self._replication_args, old.replicas)
 
     def restart(self, failed_step: int) -> None:
         """After a recovery: old windows are superseded, the planner starts a new window

@@ -104,6 +104,8 @@ class Replicator:
         self.replicas = replica_store if replica_store is not None else ReplicaStore()
         self.on_replicated = on_replicated
         self.lag = 0
+        # A transfer that failed (a peer died): the thread stops and drain() returns.
+        self.error: BaseException | None = None
         self._queue: queue.Queue[Snapshot | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="snapshot-replication",
                                         daemon=True)
@@ -114,10 +116,11 @@ class Replicator:
         self.lag += 1
         self._queue.put(snapshot)
 
-    def close(self) -> None:
-        """Drain outstanding transfers and stop the thread."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Drain outstanding transfers and stop the thread (give up waiting for it after
+        ``timeout_s``: a thread stuck on a broken group is a daemon and goes with it)."""
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join(timeout_s)
 
     def drain(self) -> None:
         """Wait until every submitted snapshot is replicated (the thread keeps running)."""
@@ -168,23 +171,33 @@ class Replicator:
 
     def _run(self) -> None:
         while (snapshot := self._queue.get()) is not None:
-            snapshot.checksummed.wait()
-            data = encode_snapshot(snapshot)
-            sizes = {s: torch.zeros(1, dtype=torch.int64) for s in self.sources}
-            ops = [dist.P2POp(dist.irecv, sizes[s], s, self.group) for s in self.sources]
-            ops += [dist.P2POp(dist.isend, torch.tensor([data.numel()]), p, self.group)
-                    for p in self.peers]
-            _wait(ops)
-            received = {s: torch.empty(int(sizes[s]), dtype=torch.uint8) for s in self.sources}
-            ops = [dist.P2POp(dist.irecv, received[s], s, self.group) for s in self.sources]
-            ops += [dist.P2POp(dist.isend, data, p, self.group) for p in self.peers]
-            _wait(ops)
-            for source, payload in received.items():
-                self.replicas.put(source, snapshot.plan.window_start, snapshot.step, payload)
-            self.lag -= 1
-            self.on_replicated(snapshot.plan.window_start, snapshot.step)
+            if self.error is not None:  # the group is broken: nothing more is replicated
+                self._queue.task_done()
+                continue
+            try:
+                self._replicate(snapshot)
+            except (RuntimeError, dist.DistBackendError) as error:
+                self.error = error
             self._queue.task_done()
         self._queue.task_done()
+
+    def _replicate(self, snapshot: Snapshot) -> None:
+        """Send ``snapshot`` to the peers and receive the sources' of the same step."""
+        snapshot.checksummed.wait()
+        data = encode_snapshot(snapshot)
+        sizes = {s: torch.zeros(1, dtype=torch.int64) for s in self.sources}
+        ops = [dist.P2POp(dist.irecv, sizes[s], s, self.group) for s in self.sources]
+        ops += [dist.P2POp(dist.isend, torch.tensor([data.numel()]), p, self.group)
+                for p in self.peers]
+        _wait(ops)
+        received = {s: torch.empty(int(sizes[s]), dtype=torch.uint8) for s in self.sources}
+        ops = [dist.P2POp(dist.irecv, received[s], s, self.group) for s in self.sources]
+        ops += [dist.P2POp(dist.isend, data, p, self.group) for p in self.peers]
+        _wait(ops)
+        for source, payload in received.items():
+            self.replicas.put(source, snapshot.plan.window_start, snapshot.step, payload)
+        self.lag -= 1
+        self.on_replicated(snapshot.plan.window_start, snapshot.step)
 
 
 def _wait(ops: list[dist.P2POp]) -> None:

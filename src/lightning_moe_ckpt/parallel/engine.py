@@ -160,14 +160,16 @@ class DistributedExecutor:
                               soft_load=packed[3 + cells:].view(self.n_layers, n_experts))
 
 
-def build_parallel_engine(settings: RunSettings, mesh: DeviceMesh, device: torch.device,
-                          hooks: list[BoundaryHook] | None = None) -> TrainingEngine:
-    """This rank's :class:`TrainingEngine` for ``settings.layout`` over ``mesh``."""
+def build_parallel_executor(settings: RunSettings, mesh: DeviceMesh, model: MoETransformer,
+                            device: torch.device,
+                            hooks: list[BoundaryHook] | None = None) -> DistributedExecutor:
+    """The executor of this rank's ``model`` over ``mesh``: expert-parallel dispatch, the
+    pipeline schedule and the gradient sync groups. Built again over the same model when
+    the process groups are re-formed after a failure."""
     plan = settings.layout
     coords = Coordinates(*(int(c) for c in mesh.get_coordinate() or (0, 0, 0)))
     groups = ProcessGroups.from_mesh(mesh)
     dtype = compute_dtype(settings.precision)
-    model = build_rank_model(settings.model, plan, coords, settings.seed, dtype, device)
     if plan.ep > 1:
         enable_expert_parallel(model, groups.ep, plan.local_experts(coords.ep))
     runner = None
@@ -177,7 +179,15 @@ def build_parallel_engine(settings: RunSettings, mesh: DeviceMesh, device: torch
             settings.global_batch // (plan.microbatches * plan.data_shards),
             settings.data.seq_len, settings.model.d_model, settings.model.vocab_size,
             language_model_loss, hooks if hooks is not None else [])
-    executor = DistributedExecutor(model, plan, coords, groups,
-                                   full_model_parameter_names(settings),
-                                   settings.model.n_layers, runner)
+    return DistributedExecutor(model, plan, coords, groups, full_model_parameter_names(settings),
+                               settings.model.n_layers, runner)
+
+
+def build_parallel_engine(settings: RunSettings, mesh: DeviceMesh, device: torch.device,
+                          hooks: list[BoundaryHook] | None = None) -> TrainingEngine:
+    """This rank's :class:`TrainingEngine` for ``settings.layout`` over ``mesh``."""
+    coords = Coordinates(*(int(c) for c in mesh.get_coordinate() or (0, 0, 0)))
+    model = build_rank_model(settings.model, settings.layout, coords, settings.seed,
+                             compute_dtype(settings.precision), device)
+    executor = build_parallel_executor(settings, mesh, model, device, hooks)
     return TrainingEngine.around(settings, model, executor)

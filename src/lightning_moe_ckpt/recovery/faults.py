@@ -24,7 +24,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
@@ -39,6 +39,11 @@ Phase = Literal["forward", "backward", "optimizer", "snapshot_copy", "replicatio
 PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer", "snapshot_copy",
                              "replication", "recovery")
 SCHEDULES = ("none", "at", "mtbf", "trace")
+# simulated: every rank knows the schedule and recovers together, the failed rank's state
+# is destroyed in place (the simulator-calibrated benchmark); the others are real: the
+# failing rank does it to itself and nobody else reads the schedule.
+FaultKind = Literal["simulated", "kill", "exit", "exception", "hang"]
+KINDS: tuple[FaultKind, ...] = ("simulated", "kill", "exit", "exception", "hang")
 
 
 @dataclass(frozen=True, order=True)
@@ -48,6 +53,12 @@ class FailureEvent:
     step: int
     rank: int
     phase: Phase = "optimizer"
+    kind: FaultKind = "simulated"
+
+    @property
+    def real(self) -> bool:
+        """Whether the process itself fails (killed, exits, raises or hangs)."""
+        return self.kind != "simulated"
 
 
 class FaultSchedule(Protocol):
@@ -79,13 +90,21 @@ class NoFaults(_ListedSchedule):
         super().__init__(())
 
 
+def parse_kind(value: object, key: str) -> FaultKind:
+    """Validate a fault kind (``faults.kind`` or an event's ``kind``)."""
+    require(value in KINDS, f"{fmt(key, value)} is unknown; choose one of {', '.join(KINDS)}")
+    return cast(FaultKind, value)
+
+
 def parse_event(row: Mapping[str, Any], where: str, world_size: int | None = None,
-                default_phase: Phase = "optimizer") -> FailureEvent:
-    """One ``{step, rank[, phase]}`` row; ``where`` names it in errors
+                default_phase: Phase = "optimizer",
+                default_kind: FaultKind = "simulated") -> FailureEvent:
+    """One ``{step, rank[, phase, kind]}`` row; ``where`` names it in errors
     (e.g. ``faults.events[0]``)."""
     require(isinstance(row, Mapping), f"{where}={row!r} must be a mapping {{step, rank}}")
-    unknown = sorted(set(row) - {"step", "rank", "phase"})
-    require(not unknown, f"{where} has unknown keys {unknown}; expected step, rank, phase")
+    unknown = sorted(set(row) - {"step", "rank", "phase", "kind"})
+    require(not unknown,
+            f"{where} has unknown keys {unknown}; expected step, rank, phase, kind")
     for key in ("step", "rank"):
         require(key in row, f"{where} lacks {key!r}")
         value = row[key]
@@ -97,20 +116,23 @@ def parse_event(row: Mapping[str, Any], where: str, world_size: int | None = Non
     phase = row.get("phase", default_phase)
     require(phase in PHASES,
             f"{fmt(f'{where}.phase', phase)} is unknown; choose one of {', '.join(PHASES)}")
-    return FailureEvent(int(row["step"]), rank, cast(Phase, phase))
+    kind = parse_kind(row.get("kind", default_kind), f"{where}.kind")
+    return FailureEvent(int(row["step"]), rank, cast(Phase, phase), kind)
 
 
 class AtSchedule(_ListedSchedule):
     """``faults=at``: the listed ``{step, rank[, phase]}`` failures."""
 
     def __init__(self, events: Iterable[FailureEvent | Mapping[str, Any]],
-                 world_size: int | None = None, key: str = "faults.events") -> None:
+                 world_size: int | None = None, key: str = "faults.events",
+                 kind: FaultKind = "simulated") -> None:
         parsed = []
         for index, event in enumerate(events):
             where = f"{key}[{index}]"
             if isinstance(event, FailureEvent):
-                event = {"step": event.step, "rank": event.rank, "phase": event.phase}
-            parsed.append(parse_event(event, where, world_size))
+                event = {"step": event.step, "rank": event.rank, "phase": event.phase,
+                         "kind": event.kind}
+            parsed.append(parse_event(event, where, world_size, default_kind=kind))
         super().__init__(parsed)
 
 
@@ -215,26 +237,37 @@ def schedule_from_config(values: Mapping[str, Any], *, world_size: int, max_step
     name = values.get("name", "none")
     require(name in SCHEDULES,
             f"{fmt('faults.name', name)} is unknown; choose one of {', '.join(SCHEDULES)}")
+    kind = parse_kind(values.get("kind", "simulated"), "faults.kind")
     if name == "none":
         return NoFaults()
     if name == "at":
         events = values.get("events")
         if not isinstance(events, Sequence) or isinstance(events, str):
             raise ConfigError(f"faults.events={events!r} must be a list of "
-                              "{step, rank[, phase]}")
-        return AtSchedule(events, world_size)
+                              "{step, rank[, phase, kind]}")
+        return AtSchedule(events, world_size, kind=kind)
+    schedule: _ListedSchedule
     if name == "mtbf":
         require("mtbf_steps" in values, "faults=mtbf needs faults.mtbf_steps")
         seed_value = values.get("seed")
-        return MtbfSchedule(values["mtbf_steps"], world_size,
-                            seed if seed_value is None else int(seed_value), max_steps,
-                            values.get("phase", "optimizer"))
-    path = values.get("path")
-    if not isinstance(path, (str, Path)):
-        raise ConfigError(f"faults=trace needs faults.path (got {path!r})")
-    configured = values.get("iteration_s")
-    return TraceSchedule(path, world_size,
-                         iteration_s if configured is None else float(configured))
+        schedule = MtbfSchedule(values["mtbf_steps"], world_size,
+                                seed if seed_value is None else int(seed_value), max_steps,
+                                values.get("phase", "optimizer"))
+    else:
+        path = values.get("path")
+        if not isinstance(path, (str, Path)):
+            raise ConfigError(f"faults=trace needs faults.path (got {path!r})")
+        configured = values.get("iteration_s")
+        schedule = TraceSchedule(path, world_size,
+                                 iteration_s if configured is None else float(configured))
+    if kind == "simulated":
+        return schedule
+    return _ListedSchedule(replace(event, kind=kind) for event in schedule.events)
+
+
+def has_real_faults(schedule: FaultSchedule) -> bool:
+    """Whether any event of ``schedule`` is a real failure (needs the supervisor)."""
+    return isinstance(schedule, _ListedSchedule) and any(e.real for e in schedule.events)
 
 
 @dataclass

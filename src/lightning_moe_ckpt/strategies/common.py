@@ -19,6 +19,8 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from lightning_moe_ckpt.recovery.rendezvous import JobStore
+
 STRATEGY_NAME = "moe_parallel"
 
 
@@ -32,11 +34,16 @@ def assign_world_ranks(environment: ClusterEnvironment | None, node_rank: int,
 
 
 def connect(strategy: Any) -> None:
-    """Open the default process group (if needed) and build the strategy's mesh."""
+    """Open the default process group (if needed) and build the strategy's mesh. Under
+    the supervisor the group is formed on its store, in this process's generation."""
     backend = (strategy._process_group_backend
                or _get_default_process_group_backend_for_device(strategy.root_device))
     assert strategy.cluster_environment is not None
-    _init_dist_connection(strategy.cluster_environment, backend, timeout=strategy._timeout)
+    job = JobStore.from_env()
+    if job is not None:
+        job.join(job.replaces if job.replaces is not None else job.generation, backend)
+    else:
+        _init_dist_connection(strategy.cluster_environment, backend, timeout=strategy._timeout)
     strategy.core.setup_mesh(strategy.root_device.type)
 
 

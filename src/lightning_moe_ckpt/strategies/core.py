@@ -12,7 +12,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.parallel.engine import build_parallel_engine
+from lightning_moe_ckpt.parallel.engine import build_parallel_engine, build_parallel_executor
 from lightning_moe_ckpt.parallel.pipeline import BoundaryHook
 from lightning_moe_ckpt.parallel.topology import MESH_DIMS, SCHEDULES, Coordinates
 from lightning_moe_ckpt.training.engine import TrainingEngine
@@ -81,3 +81,13 @@ class MoEParallelCore:
                 f"was built with pp={self.pp} dp={self.dp} ep={self.ep} "
                 f"schedule={self.schedule!r}")
         return build_parallel_engine(settings, self.mesh, device, self.boundary_hooks)
+
+    def reform(self, engine: TrainingEngine, device: torch.device) -> None:
+        """After the default process group was formed anew (a failure replaced a rank):
+        rebuild the mesh and ``engine``'s executor over its live model, in the order a
+        fresh process builds them (so the collective group creations pair up)."""
+        mesh = self.setup_mesh(device.type)
+        executor = build_parallel_executor(engine.settings, mesh, engine.model, device,
+                                           self.boundary_hooks)
+        executor.iteration = engine.step
+        engine.executor = executor

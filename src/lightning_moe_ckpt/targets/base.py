@@ -70,6 +70,20 @@ class StepHooks:
     def after_optimizer_step(self, step: int, result: StepResult) -> None:
         """Optimizer step ``step`` completed."""
 
+    def iteration_failed(self, step: int, error: BaseException) -> bool:
+        """Iteration ``step`` raised ``error``; return True when a recovery took over
+        (the loop then reruns from the target's step), False to let it propagate."""
+        return False
+
+
+class IterationAborted(Exception):
+    """The iteration was abandoned for a recovery: run the target's ``step`` next (its
+    batch may differ from the one the loop had fetched)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"iteration aborted; continue at step {step}")
+        self.step = step
+
 
 class TrainingTarget(ABC):
     """One rank's training state and how to rerun an iteration of it.
@@ -142,9 +156,20 @@ class TrainingTarget(ABC):
         self.set_step(step)
 
     def begin_iteration(self) -> None:
-        """Tell the observers iteration ``step`` starts (failure injection fires here)."""
+        """Tell the observers iteration ``step`` starts (failure injection fires here).
+        Raises :class:`IterationAborted` when a recovery moved the target to another step."""
+        step = self.step
         for hook in list(self.hooks):  # an injected recovery may change the list
-            hook.before_iteration(self.step)
+            hook.before_iteration(step)
+        if self.step != step:
+            raise IterationAborted(self.step)
+
+    def iteration_failed(self, error: BaseException) -> None:
+        """The current iteration raised ``error``: a hook may recover (then
+        :class:`IterationAborted` tells the loop where to continue), else it propagates."""
+        if any(hook.iteration_failed(self.step, error) for hook in list(self.hooks)):
+            raise IterationAborted(self.step) from error
+        raise error
 
     def before_update(self) -> None:
         """Right before the optimizer step: observers wait for their copies of the state

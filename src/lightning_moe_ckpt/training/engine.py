@@ -131,15 +131,25 @@ class TrainingEngine(TrainingTarget):
         self.begin_iteration()  # e.g. failure injection, which may recover first
         optimizer_step = step if step is not None else self.optimizer.step
 
+        stepped = False
+
         def hooked_step() -> None:
+            nonlocal stepped
             self.before_update()
             optimizer_step()
             self.after_update()
+            stepped = True
 
-        result = train_iteration(
-            self.executor, self.optimizer, self.scheduler, inputs, targets,
-            backward if backward is not None else _plain_backward, hooked_step,
-            self.settings.optim.max_grad_norm, clip_coef)
+        try:
+            result = train_iteration(
+                self.executor, self.optimizer, self.scheduler, inputs, targets,
+                backward if backward is not None else _plain_backward, hooked_step,
+                self.settings.optim.max_grad_norm, clip_coef)
+        except (RuntimeError, torch.distributed.DistBackendError) as error:
+            if stepped:  # the state advanced; the statistics after the step did not finish
+                self.step += 1
+            self.iteration_failed(error)  # a peer died: recover, or propagate
+            raise
         self.finish_iteration(result)
         return result
 

@@ -108,6 +108,26 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
 
 
 @dataclass(frozen=True)
+class RecoverySettings:
+    """How real failures are detected and how often a rank may be replaced."""
+
+    # A worker whose heartbeat (one per iteration) is silent this long is hung and killed.
+    # Sized for CPU tests; on a GPU cluster allow a few iterations plus data loading and
+    # checkpoint I/O (minutes), and set the collective timeout to match.
+    timeout_s: float = 60.0
+    max_restarts: int = 3  # replacements before the job gives up
+
+
+def _recovery_settings(values: Mapping[str, Any]) -> RecoverySettings:
+    settings = _pick(values, "recovery", RecoverySettings)
+    require(isinstance(settings.timeout_s, int | float) and settings.timeout_s > 0,
+            f"{fmt('recovery.timeout_s', settings.timeout_s)} must be > 0 seconds")
+    require(isinstance(settings.max_restarts, int) and settings.max_restarts >= 0,
+            f"{fmt('recovery.max_restarts', settings.max_restarts)} must be an integer >= 0")
+    return settings
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """Everything one training run needs."""
 
@@ -129,6 +149,7 @@ class RunSettings:
     out_dir: str
     ckpt_path: str | None = None
     faults: dict[str, Any] = field(default_factory=dict)
+    recovery: RecoverySettings = field(default_factory=RecoverySettings)
 
 
 def _section(cfg: DictConfig, key: str) -> dict[str, Any]:
@@ -193,6 +214,7 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
         out_dir=str(cfg.get("out_dir", "outputs")),
         ckpt_path=None if cfg.get("ckpt_path") is None else str(cfg.get("ckpt_path")),
         faults=_section(cfg, "faults"),
+        recovery=_recovery_settings(_section(cfg, "recovery")),
     )
     require(settings.max_steps >= 1, f"trainer.max_steps={settings.max_steps} must be >= 1")
     if settings.faults.get("name", "none") != "none":

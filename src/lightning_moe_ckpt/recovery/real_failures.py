@@ -1,0 +1,112 @@
+"""Real failures, survivor and replacement side: detect, re-form the groups, recover.
+
+A survivor learns that a peer died or hung from what it sees: a collective or P2P error in
+its iteration, or a new generation in the supervisor's store at the start of an iteration
+(a hung peer is killed by the supervisor, which then opens the generation). It then
+
+1. lets its own issued snapshot copies finish and drops the iteration's partial gradients;
+2. tears down the broken process groups and forms the new generation's default group on
+   the store prefix ``gen<g>/``, then rebuilds the mesh, the pipeline, expert-parallel and
+   replication groups over its live model, optimizer, host snapshots, held replicas and
+   upstream logs (nothing of its state is lost, its process keeps running);
+3. agrees with everyone on the iteration to resume (the oldest step among survivors; a
+   survivor that got further counts as failed too, so it is rolled back) and enters the
+   one :func:`~lightning_moe_ckpt.recovery.entry.recover`, exactly as for an injected
+   failure: localized rollback of the failed stage when upstream logs exist.
+
+A replacement process (started by the supervisor with the failed rank's identity and an
+empty state) forms the same generation, builds the same groups in the same order and
+joins the recovery as the failed rank: its window comes from its replica peers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from typing_extensions import override
+
+from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
+from lightning_moe_ckpt.recovery.entry import DurableFallback, RecoveryRequest, recover
+from lightning_moe_ckpt.recovery.rendezvous import JobStore
+from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
+from lightning_moe_ckpt.targets.base import StepHooks
+from lightning_moe_ckpt.training.engine import TrainingEngine
+
+_POLL_S = 0.05
+Reform = Callable[[], None]  # rebuild the mesh, executor and replication groups
+
+
+@dataclass
+class PeerFailureHandler(StepHooks):
+    """Turns a peer's real failure into a re-formed job and a recovery on this rank."""
+
+    job: JobStore
+    engine: TrainingEngine
+    coordinator: CheckpointCoordinator
+    reform_groups: Reform
+    backend: str
+    upstream_log: UpstreamLog | None = None
+    durable: DurableFallback | None = None
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+
+    @override
+    def before_iteration(self, step: int) -> None:
+        self.job.heartbeat()
+        if self.job.current_generation() != self.job.generation:
+            self.recover_now()
+
+    @override
+    def iteration_failed(self, step: int, error: BaseException) -> bool:
+        deadline = time.monotonic() + self.job.timeout.total_seconds()
+        with self.job.busy():
+            # A peer's failure shows up as a new generation once the supervisor saw it.
+            while self.job.current_generation() == self.job.generation:
+                if time.monotonic() > deadline:
+                    return False  # no peer failed: this error is the process's own
+                time.sleep(_POLL_S)
+        self.recover_now()
+        return True
+
+    def recover_now(self) -> None:
+        """Re-form the groups under the newest generation and recover (survivor side)."""
+        self._recover(replacing=False)
+
+    def join_as_replacement(self) -> None:
+        """A replacement's first act: the groups are formed (launch did it); recover the
+        failed rank's state from its peers."""
+        self._recover(replacing=True)
+
+    def _recover(self, replacing: bool) -> None:
+        detected = time.perf_counter()
+        with self.job.busy():
+            generation = self.job.current_generation() if not replacing else self.job.generation
+            self.coordinator.snapshots.wait_copies()  # issued copies finish (survivor)
+            self.engine.optimizer.zero_grad()  # the aborted iteration's partial gradients
+            if not replacing:
+                self.job.join(generation, self.backend)
+                self.reform_groups()
+            reformed = time.perf_counter()
+            dead = set(self.job.failed_ranks(generation))
+            steps: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(steps, None if replacing else self.engine.step)
+            survivors = [s for s in steps if s is not None]
+            failed_step = min(survivors)
+            # A survivor past the others holds a state nobody else can match: roll it back.
+            failed = sorted(dead | {r for r, s in enumerate(steps) if s is not None
+                                    and s != failed_step})
+            if replacing:
+                self.engine.set_step(failed_step)
+            outcome = recover(RecoveryRequest(failed_step, tuple(failed)), self.coordinator,
+                              self.upstream_log, self.durable)
+            report = outcome.report
+            self.recoveries.append({
+                "generation": generation, "failed_step": failed_step, "failed_ranks": failed,
+                "replacement": replacing, "ranks_rolled_back": outcome.rolled_back,
+                "iterations_replayed": None if report is None else report.replayed,
+                "timings_s": {"detect_reform": reformed - detected,
+                              **({} if report is None else report.phases_s),
+                              "total": time.perf_counter() - detected}})

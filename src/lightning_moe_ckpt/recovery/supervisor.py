@@ -1,0 +1,151 @@
+"""The supervisor: hosts the job's store, starts the workers and replaces the ones that fail.
+
+A real failure takes a worker process down (killed, exited, raised) or stalls it (hung).
+The supervisor is the one process no worker failure can take down: it hosts the
+``TCPStore`` the workers rendezvous on and watches every worker:
+
+* a worker that **exits** with a non-zero code failed;
+* a worker whose **heartbeat** (a counter in the store it bumps every iteration) has not
+  moved for ``timeout_s`` is hung: the supervisor kills it by its pid, and it failed.
+
+For a failure it opens a new **generation** of the job: it publishes the failed ranks
+under ``failed/<g>`` and then ``generation = g``, and starts a replacement process with
+the failed rank's identity (rank, stage, expert shard, data shard follow from the rank)
+and ``MOE_REPLACES=<g>`` in its environment. The survivors see the new generation (a
+collective error, or the generation key at their next iteration), re-form their process
+groups under the store prefix ``gen<g>/`` and recover with the replacement; they keep
+their processes and their state. After ``max_restarts`` replacements the job fails with
+an error naming the rank and the generation. The job's exit code is 0 when every worker
+finished training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import TCPStore
+
+ENV_GENERATION = "MOE_GENERATION"  # the generation a worker was started in
+ENV_REPLACES = "MOE_REPLACES"  # set in a replacement: the generation it joins
+ENV_STORE = "MOE_STORE"  # host:port of the supervisor's store
+POLL_S = 0.05
+
+
+@dataclass
+class Replacement:
+    """One failure and what replaced it."""
+
+    rank: int
+    generation: int
+    dead_pid: int
+    new_pid: int
+    cause: str  # "exit <code>", "hang", ...
+    detected_s: float  # since the job started
+
+
+@dataclass
+class Supervisor:
+    """Starts ``world_size`` workers running ``command`` and keeps the job whole."""
+
+    command: Sequence[str]
+    world_size: int
+    timeout_s: float = 60.0
+    max_restarts: int = 3
+    env: dict[str, str] = field(default_factory=dict)
+    replacements: list[Replacement] = field(default_factory=list)
+
+    def run(self) -> int:
+        """Supervise until every worker finished (0) or the job cannot go on (1)."""
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=max(30.0, self.timeout_s)))
+        store.set("generation", "0")
+        self.started = time.monotonic()
+        base = {**os.environ, **self.env, ENV_STORE: f"127.0.0.1:{store.port}",
+                "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(self.world_size),
+                "NODE_RANK": "0"}
+        workers = {rank: self._start(base, rank, 0, None) for rank in range(self.world_size)}
+        beats = {rank: (-1, time.monotonic()) for rank in workers}
+        done: set[int] = set()
+        generation = 0
+        try:
+            while len(done) < self.world_size:
+                time.sleep(POLL_S)
+                failed: dict[int, str] = {}
+                for rank, process in workers.items():
+                    if rank in done:
+                        continue
+                    code = process.poll()
+                    if code == 0:
+                        done.add(rank)
+                    elif code is not None:
+                        failed[rank] = f"exit {code}"
+                    elif self._hung(store, rank, beats):
+                        os.kill(process.pid, signal.SIGKILL)  # a hang becomes a death
+                        process.wait()
+                        failed[rank] = "hang"
+                if not failed:
+                    continue
+                if len(self.replacements) + len(failed) > self.max_restarts:
+                    self._stop(workers)
+                    ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
+                    print(f"supervisor: {ranks} failed after {len(self.replacements)} "
+                          f"replacements (recovery.max_restarts={self.max_restarts}); "
+                          "the job stops", file=sys.stderr, flush=True)
+                    return 1
+                generation += 1
+                store.set(f"failed/{generation}", json.dumps(sorted(failed)))
+                store.set("generation", str(generation))
+                for rank, cause in sorted(failed.items()):
+                    dead = workers[rank].pid
+                    workers[rank] = self._start(base, rank, generation, generation)
+                    beats[rank] = (-1, time.monotonic())
+                    self.replacements.append(Replacement(
+                        rank, generation, dead, workers[rank].pid, cause,
+                        time.monotonic() - self.started))
+                store.set(f"replacements/{generation}",
+                          json.dumps([vars(r) for r in self.replacements
+                                      if r.generation == generation]))
+        except BaseException:
+            self._stop(workers)
+            raise
+        return 0
+
+    def _start(self, base: dict[str, str], rank: int, generation: int,
+               replaces: int | None) -> subprocess.Popen[bytes]:
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank),
+               ENV_GENERATION: str(generation)}
+        if replaces is not None:
+            env[ENV_REPLACES] = str(replaces)
+        return subprocess.Popen(list(self.command), env=env)
+
+    def _hung(self, store: TCPStore, rank: int, beats: dict[int, tuple[int, float]]) -> bool:
+        count = int(store.add(f"hb/{rank}", 0))
+        last, since = beats[rank]
+        now = time.monotonic()
+        if count != last:
+            beats[rank] = (count, now)
+            return False
+        # Before its first beat a worker is still starting (imports, data): not hung yet.
+        return count > 0 and now - since > self.timeout_s
+
+    @staticmethod
+    def _stop(workers: dict[int, subprocess.Popen[bytes]]) -> None:
+        for process in workers.values():
+            if process.poll() is None:
+                process.kill()
+        for process in workers.values():
+            process.wait()
+
+
+def report_of(replacements: Sequence[Replacement]) -> list[dict[str, Any]]:
+    """JSON-ready replacements (for ``metrics.json``)."""
+    return [vars(r) for r in replacements]
