@@ -8,13 +8,12 @@ Monte-Carlo. ``recipes/simulate.py`` drives it from ``conf/simulate.yaml``; the 
 are usable on their own (see :func:`build_job`, :func:`make_policy`, :func:`analytic_ettr`).
 """
 
+from lightning_moe_ckpt.ettr_formulas import ettr_formula, oracle_interval
 from lightning_moe_ckpt.sim.ettr import (
     AnalyticResult,
     MonteCarloResult,
     analytic_ettr,
-    ettr_formula,
     monte_carlo_ettr,
-    oracle_interval,
     trace_ettr,
 )
 from lightning_moe_ckpt.sim.experiments import SimulationReport, simulate

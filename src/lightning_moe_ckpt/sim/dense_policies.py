@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from lightning_moe_ckpt.errors import require
-from lightning_moe_ckpt.sim.ettr import ettr_formula, oracle_interval
+from lightning_moe_ckpt.ettr_formulas import ettr_formula, oracle_interval
 from lightning_moe_ckpt.sim.job import SimJob
 from lightning_moe_ckpt.sim.recovery import global_rollback
 from lightning_moe_ckpt.sim.regime import Regime, StaticPolicy

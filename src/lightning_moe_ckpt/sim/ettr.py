@@ -1,4 +1,4 @@
-"""ETTR: the paper's analytic formula, the oracle interval sweep, and Monte-Carlo runs.
+"""ETTR of a policy over a run: the analytic expected trajectory and Monte-Carlo runs.
 
 Analytic (paper §2.4 / Appendix C), failures a Poisson process of rate ``1 / MTBF``::
 
@@ -16,37 +16,17 @@ that recovery. Results carry the mean and the spread over runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lightning_moe_ckpt.errors import require
+from lightning_moe_ckpt.ettr_formulas import ettr_formula
 
 if TYPE_CHECKING:
     from lightning_moe_ckpt.sim.regime import Policy
-
-
-def ettr_formula(stall_s: float, iteration_s: float, interval: Any, expected_recovery_s: Any,
-                 mtbf_s: float) -> Any:
-    """Paper §2.4: runtime-overhead factor times recovery-overhead factor. ``interval`` and
-    ``expected_recovery_s`` may be arrays (one ETTR per candidate interval)."""
-    require(mtbf_s > 0, f"MTBF must be > 0 seconds, got {mtbf_s}")
-    runtime = 1.0 / (1.0 + stall_s / (iteration_s * interval))
-    return runtime / (1.0 + expected_recovery_s / mtbf_s)
-
-
-def oracle_interval(ettr_of: Callable[[np.ndarray], np.ndarray],
-                    max_interval: int) -> tuple[int, float]:
-    """The interval in ``1..max_interval`` with the highest ETTR (hindsight: Gemini's oracle,
-    paper §5.2), and that ETTR; ties go to the shorter interval. ``ettr_of`` maps an array
-    of intervals to their ETTRs."""
-    require(max_interval >= 1, f"max_interval={max_interval} must be >= 1")
-    intervals = np.arange(1, max_interval + 1)
-    values = np.asarray(ettr_of(intervals), dtype=float)
-    best = int(np.argmax(values))  # first maximum: the shortest interval
-    return int(intervals[best]), float(values[best])
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
+from lightning_moe_ckpt.ettr_formulas import ettr_formula
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim.dense_policies import checkfreq_regime, gemini_regime
-from lightning_moe_ckpt.sim.ettr import analytic_ettr, ettr_formula, monte_carlo_ettr, trace_ettr
+from lightning_moe_ckpt.sim.ettr import analytic_ettr, monte_carlo_ettr, trace_ettr
 from lightning_moe_ckpt.sim.inputs import ClusterSpec
 from lightning_moe_ckpt.sim.job import SimJob
 from lightning_moe_ckpt.sim.policies import check_policy_names, make_policy
