@@ -51,7 +51,7 @@ def analytic_ettr(policy: Policy, mtbf_s: float, run_s: float) -> AnalyticResult
     if not policy.dynamic:
         recovery = regime.recovery.expected_s
         failures = run_s / (mtbf_s + recovery)
-        ettr = ettr_formula(regime.stall_s, regime.iteration_s, regime.interval, recovery,
+        ettr = ettr_formula(regime.overhead_s_per_iteration, regime.iteration_s, 1, recovery,
                             mtbf_s)
         return AnalyticResult(float(ettr), failures, failures * recovery, regime.note)
     elapsed, useful, recovering, failures = 0.0, 0.0, 0.0, 0.0

@@ -144,8 +144,8 @@ def interval_sweep(job: SimJob, policy: str, mtbf_minutes: tuple[float, ...],
     regimes = [regime_of(job, n) for n in intervals]
     curves = []
     for minutes in mtbf_minutes:
-        values = tuple(ettr_formula(r.stall_s, r.iteration_s, r.interval, r.recovery.expected_s,
-                                    minutes * 60) for r in regimes)
+        values = tuple(ettr_formula(r.overhead_s_per_iteration, r.iteration_s, 1,
+                                    r.recovery.expected_s, minutes * 60) for r in regimes)
         best = int(np.argmax(values))
         curves.append(SweepCurve(minutes, intervals, values, intervals[best], values[best]))
     return tuple(curves)
