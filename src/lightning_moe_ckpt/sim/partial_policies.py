@@ -49,7 +49,8 @@ def partial_bytes(job: SimJob, experts_per_layer: float) -> tuple[float, float]:
 class MoCState:
     experts: float  # K: experts per layer per snapshot (a mean: MoC interleaves layers)
     lost_iterations: float  # lost tokens so far, in iterations' worth
-    failures: int = 0
+    failures: int = 0  # failures so far
+    exhausted: bool = False  # whether the lost-token budget has been overrun
 
 
 class MoCPolicy(Policy):
@@ -64,8 +65,10 @@ class MoCPolicy(Policy):
     iterations. A failure restores the persisted checkpoint: an expert saved ``a`` rounds
     ago loses ``a x P`` iterations of its tokens. Dynamic-K (MoC §4.4) watches the
     aggregated proportion of lost tokens, lost so far over tokens trained so far (failures
-    x MTBF worth of iterations): after a failure that leaves it above the budget, K
-    doubles, up to every expert, and larger snapshots stall more.
+    x MTBF worth of iterations): once a failure leaves it above the budget, the budget is
+    spent and K doubles after that failure and every later one, up to every expert
+    (MoEvement §5.2: "overhead spikes ... as the token-loss budget is exhausted"); larger
+    snapshots stall more.
     """
 
     name = "moc"
@@ -157,11 +160,13 @@ class MoCPolicy(Policy):
         else:
             pool = self._lost_pool(state.experts)
             lost = float(pool[rng.integers(pool.size)])
-        after = MoCState(state.experts, state.lost_iterations + lost, state.failures + 1)
-        if self.lost_token_share(after) > self.budget and state.experts < self.experts:
-            return MoCState(min(float(self.experts), 2 * state.experts), after.lost_iterations,
-                            after.failures)
-        return after
+        after = MoCState(state.experts, state.lost_iterations + lost, state.failures + 1,
+                         state.exhausted)
+        if not (after.exhausted or self.lost_token_share(after) > self.budget):
+            return after
+        # Once the budget has been overrun it stays spent: every later failure doubles K.
+        experts = min(float(self.experts), 2 * state.experts)
+        return MoCState(experts, after.lost_iterations, after.failures, exhausted=True)
 
 
 def unsaved_tokens(shares: np.ndarray, selected: int) -> float:
