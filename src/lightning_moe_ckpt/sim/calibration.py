@@ -22,8 +22,12 @@ fitted to the MoEvement paper's Table 3 (A100) only, each with its unit and sour
   the share of PCIe rate MoC-System's snapshots reach (each selected expert shard is
   copied and serialised on its own, not streamed into pinned buffers).
 * **global restart**: seconds every rank spends restarting (process groups re-formed,
-  engines re-initialised) when a failure rolls the whole job back; localized recovery
-  restarts only the failed stage's ranks and pays none of it.
+  engines re-initialised, communicators bootstrapped) when a failure rolls the whole job
+  back, ``global_restart_s_per_doubling x log2(nodes)``: collective bootstrap is a tree
+  over the nodes, so each doubling of the cluster adds one more step. This is a modelling
+  assumption, not a fit: Table 3 has a single cluster size (12 nodes), which fixes the
+  constant but not the growth. Localized recovery restarts only the failed stage's ranks
+  and pays none of it.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class Calibration:
     partial_snapshot_efficiency: float = 1.0  # share of PCIe rate MoC snapshots reach, (0, 1]
     copy_interference: float = 0.0  # training slowdown per unit PCIe busy share, >= 0
     network_interference: float = 0.0  # training slowdown per unit NIC busy share, >= 0
-    global_restart_s: float = 0.0  # seconds per global rollback, >= 0
+    global_restart_s_per_doubling: float = 0.0  # s per doubling of the nodes, >= 0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None,

@@ -11,6 +11,7 @@ The stage whose GPUs hold the most state bounds every checkpoint transfer.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,9 +156,11 @@ class SimJob:
 
     @property
     def global_restart_s(self) -> float:
-        """Restart cost of a failure that rolls every rank back (detection and replacement,
-        plus every rank's restart)."""
-        return self.spec.restart_s + self.calibration.global_restart_s
+        """Restart cost of a failure that rolls every rank back: detection and replacement,
+        plus every rank's restart, one bootstrap step per doubling of the nodes."""
+        nodes = self.plan.nodes(self.cluster.gpus_per_node)
+        steps = math.log2(nodes) if nodes > 1 else 0.0
+        return self.spec.restart_s + self.calibration.global_restart_s_per_doubling * steps
 
     def interference(self, pcie_bytes: Any, network_bytes: Any) -> Any:
         """Runtime overhead fraction of one GPU's checkpoint traffic per iteration:
