@@ -112,15 +112,18 @@ class SimJob:
     @functools.cached_property
     def training_network_share(self) -> float:
         """Share of an iteration the training's own inter-node traffic keeps a GPU's NIC
-        share busy (capped so checkpoint traffic always gets a tenth of the NIC)."""
-        return min(self.timing.network_busy_s() / self.iteration_s, 0.9)
+        share busy."""
+        return min(self.timing.network_busy_s() / self.iteration_s, 1.0)
 
     @property
     def host_copy_per_gpu(self) -> float:
         """Per-GPU rate of host-staged copies to peers during training: the calibrated
-        share of line rate, in the NIC time the training's own traffic leaves free."""
+        share of line rate, in the NIC time the training's own traffic leaves free, but at
+        least half of it (two competing flows share a link fairly; what checkpoint traffic
+        then takes from training is its network interference)."""
+        free = max(1.0 - self.training_network_share, 0.5)
         return (self.cluster.nic_share_per_gpu * self.calibration.host_network_efficiency
-                * (1.0 - self.training_network_share))
+                * free)
 
     @property
     def host_copy_per_node(self) -> float:
