@@ -125,6 +125,12 @@ def test_checkfreq_picks_the_shortest_interval_whose_persist_wait_fits_the_cap()
 def test_moc_snapshot_stalls_for_its_slow_copy_beyond_the_overlap_window() -> None:
     simulated = job()
     policy = MoCPolicy(simulated, 3600.0, 0.0375, 0.125)
+    # MoC-System's adaptive start: the largest K (doubling from 12.5%) whose copy overlaps
+    # the next forward/backward.
+    start = policy.initial_experts
+    window = simulated.overlap_window_s
+    assert policy._copy_s(start) <= window
+    assert start == 64 or policy._copy_s(2 * start) > window
     for experts in (8.0, 64.0):
         _, total = partial_bytes(simulated, experts)
         copy_s = total / 96 / (simulated.cluster.pcie_bytes_per_s * 0.01)
@@ -135,13 +141,14 @@ def test_moc_snapshot_stalls_for_its_slow_copy_beyond_the_overlap_window() -> No
 
 def test_moc_escalates_under_skew_where_balanced_routing_stays_within_budget() -> None:
     balanced, skewed = job(), job(alpha=alpha_for_skew(0.9, 64))
-    lost = MoCPolicy(balanced, 3600.0, 0.0375, 0.125).expected_lost(8)
+    probe = MoCPolicy(balanced, 3600.0, 0.0375, 0.125)
+    lost = probe.expected_lost(probe.initial_experts)
     # The MTBF at which a failure's mean loss is 90% of the budget: balanced routing loses
     # exactly the mean every time and never overruns it; skew's bursts do.
     mtbf_s = lost / (0.9 * 0.0375) * balanced.iteration_s
     calm = analytic_ettr(MoCPolicy(balanced, mtbf_s, 0.0375, 0.125), mtbf_s, 43200.0)
     bursty = analytic_ettr(MoCPolicy(skewed, mtbf_s, 0.0375, 0.125), mtbf_s, 43200.0)
-    assert calm.final_note.startswith("K=8/64")
+    assert calm.final_note.startswith(f"K={probe.initial_experts:g}/64")
     assert bursty.ettr < calm.ettr
 
 

@@ -24,6 +24,7 @@ from lightning_moe_ckpt.sim import (
     monte_carlo_ettr,
     trace_ettr,
 )
+from lightning_moe_ckpt.sim.calibration import Calibration
 from lightning_moe_ckpt.sim.inputs import parse_precision
 from lightning_moe_ckpt.sim.partial_policies import MoCPolicy, MoCState
 
@@ -38,7 +39,10 @@ def job(name: str, pp: int, dp: int) -> SimJob:
     model = MoEModelConfig.from_mapping(
         OmegaConf.to_container(OmegaConf.load(CONF / f"model/{name}.yaml")))
     plan = ParallelPlan(pp=pp, dp=dp, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
-    return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster)))
+    # Paper-calibrated: MoC's snapshot path is slow enough that K starts at 12.5%.
+    calibration = Calibration.from_mapping(OmegaConf.load(CONF / "sim/paper.yaml").calibration)
+    return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster),
+                             calibration=calibration))
 
 
 @pytest.mark.parametrize("policy", ["checkfreq", "gemini", "moetion", "moevement"])
@@ -102,11 +106,6 @@ def test_moc_keeps_k_while_the_lost_tokens_stay_within_budget() -> None:
         state = policy.after_failure(state, None)
     assert (state.experts, state.failures, state.exhausted) == (8, 10, False)
     assert policy.lost_token_share(state) == pytest.approx(0.5 * 0.0375)
-
-
-def test_moc_keeps_k_when_failures_are_rare() -> None:
-    planned = make_policy("moc", job("deepseek_moe", 12, 1), 7200.0, RUN_S)
-    assert analytic_ettr(planned, 7200.0, RUN_S).final_note.startswith("K=8/64")
 
 
 def test_trace_without_failures_costs_only_the_overhead() -> None:

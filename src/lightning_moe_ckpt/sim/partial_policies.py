@@ -57,7 +57,9 @@ class MoCPolicy(Policy):
     """MoC-System with Dynamic-K, as the MoEvement paper evaluated it.
 
     Every iteration snapshots the non-experts and ``K`` experts per layer (round-robin,
-    interleaved over layers so ``K`` may be fractional), sharded evenly over all ranks,
+    interleaved over layers so ``K`` may be fractional; initially the largest K, from
+    ``initial_fraction`` of the experts doubling, whose snapshot overlaps the next
+    forward/backward, MoC's adaptive configuration), sharded evenly over all ranks,
     into host memory through MoC's own copy path (a calibrated share of PCIe rate: each
     expert shard is copied and serialised on its own); what does not fit the overlap
     window stalls, and the copy slows training while it runs (copy interference). The latest
@@ -75,14 +77,18 @@ class MoCPolicy(Policy):
     dynamic = True
 
     def __init__(self, job: SimJob, mtbf_s: float, lost_token_budget: float,
-                 initial_fraction: float, seed: int = 0, pool_size: int = 256) -> None:
+                 initial_fraction: float, seed: int = 0, pool_size: int = 256,
+                 adapt_initial: bool = True) -> None:
         require(0 < lost_token_budget < 1,
                 f"sim.policy.moc.lost_token_budget={lost_token_budget} must be in (0, 1)")
         require(0 < initial_fraction <= 1,
                 f"sim.policy.moc.initial_fraction={initial_fraction} must be in (0, 1]")
         require(mtbf_s > 0, f"MTBF must be > 0, got {mtbf_s} s")
         self.job, self.experts = job, job.spec.model.n_experts
+        # A K a real run used is kept as it is (adapt_initial=False).
         self.initial_experts = self.experts * initial_fraction
+        if adapt_initial:
+            self.initial_experts = self._largest_overlapped(self.initial_experts)
         self.budget = lost_token_budget
         self.mtbf_iterations = mtbf_s / job.iteration_s
         self._rng, self._pool_size = np.random.default_rng(seed), pool_size
@@ -91,6 +97,21 @@ class MoCPolicy(Policy):
 
     def initial_state(self) -> MoCState:
         return MoCState(self.initial_experts, 0.0)
+
+    def _copy_s(self, experts: float) -> float:
+        """Seconds one GPU's share of a K-expert snapshot takes on MoC's copy path."""
+        _, total = partial_bytes(self.job, experts)
+        rate = self.job.cluster.pcie_bytes_per_s * self.job.calibration.partial_snapshot_efficiency
+        return total / self.job.plan.world_size / rate
+
+    def _largest_overlapped(self, floor: float) -> float:
+        """MoC-System's adaptive configuration (MoC §4.3): the largest K, doubling from
+        ``floor``, whose snapshot still overlaps the next forward/backward."""
+        experts = floor
+        while 2 * experts <= self.experts and \
+                self._copy_s(2 * experts) <= self.job.overlap_window_s:
+            experts *= 2
+        return experts
 
     def rounds(self, experts: float) -> int:
         """Snapshots until every expert has been saved once."""
