@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from typing_extensions import override
 
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.sim.job import SimJob
@@ -95,6 +96,7 @@ class MoCPolicy(Policy):
         self._regimes: dict[float, Regime] = {}
         self._lost_pools: dict[float, np.ndarray] = {}
 
+    @override
     def initial_state(self) -> MoCState:
         return MoCState(self.initial_experts, 0.0)
 
@@ -123,6 +125,7 @@ class MoCPolicy(Policy):
         seconds = self.job.calibration.persist_latency_s + self.job.storage_s(total)
         return max(1, math.ceil(seconds / self.job.iteration_s))
 
+    @override
     def regime(self, state: object) -> Regime:
         assert isinstance(state, MoCState)
         if state.experts not in self._regimes:
@@ -174,6 +177,7 @@ class MoCPolicy(Policy):
         trained = state.failures * self.mtbf_iterations
         return state.lost_iterations / trained if trained > 0 else 0.0
 
+    @override
     def after_failure(self, state: object, rng: np.random.Generator | None) -> MoCState:
         assert isinstance(state, MoCState)
         if rng is None:
