@@ -14,8 +14,9 @@ fitted to the MoEvement paper's Table 3 (A100) only, each with its unit and sour
 * **network interference**: replication to peers and persisting to storage share the NIC
   with data-, pipeline- and expert-parallel traffic; training slows by
   ``network_interference`` times the share of the iteration checkpoint traffic keeps the
-  NIC busy, and checkpoint traffic only gets the NIC time training leaves free (so
-  contention grows with the training's own inter-node traffic, i.e. with scale).
+  NIC busy, and checkpoint traffic only gets the NIC time training leaves free, but at
+  least a fair half of it (so contention grows with the training's own inter-node
+  traffic).
 * **copy efficiencies**: the share of line rate host-staged copies reach over the network
   (pinned peer-to-peer buffers: Gemini, MoEvement) and to durable storage (serialised
   checkpoint files: CheckFreq, MoC-System), plus a fixed latency per persisted file; and
