@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
+from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.sim import paper_values as paper
-from lightning_moe_ckpt.sim.paper_report import Cell, _ordering, _summary
+from lightning_moe_ckpt.sim.paper_report import Cell, _ordering, _summary, compare_with_paper
 from tests.conftest import REPO
 
 
@@ -79,3 +81,11 @@ def test_report_paper_prints_the_side_by_side_and_writes_json(tmp_path: Path) ->
 def test_unknown_report_is_refused_naming_the_key(tmp_path: Path) -> None:
     done = run(tmp_path, "+report=tables")
     assert done.returncode != 0 and "report='tables'" in done.stderr
+
+
+def test_report_without_the_papers_plans_says_which_to_set() -> None:
+    sim = OmegaConf.to_container(OmegaConf.load(REPO / "conf/sim/paper.yaml"), resolve=True)
+    assert isinstance(sim, dict)
+    del sim["plans"]["qwen_moe"]
+    with pytest.raises(ConfigError, match=r"sim\.plans\.qwen_moe"):
+        compare_with_paper({"sim": sim}, REPO / "conf")

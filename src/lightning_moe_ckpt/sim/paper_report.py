@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.sim import paper_values as paper
 from lightning_moe_ckpt.sim.ettr import analytic_ettr
 from lightning_moe_ckpt.sim.experiments import scale_study
@@ -139,9 +140,13 @@ def compare_with_paper(cfg: Mapping[str, Any], conf_dir: Path) -> PaperCompariso
     sim = dict(cfg["sim"])
     a100, h100 = _cluster(conf_dir, "a100"), _cluster(conf_dir, "h100")
     base = SimSettings.from_mapping(sim)
+    plans = dict(sim.get("plans") or {})
+    missing = [name for name in paper.TABLE3 if name not in plans]
+    require(not missing, f"+report=paper needs the paper's plans: set sim.plans.{missing[0]} "
+                         f"(conf/sim/paper.yaml has them)" if missing else "")
     cells: list[Cell] = []
     for name in paper.TABLE3:
-        job = make_job(model_config(name, conf_dir, "sim.models"), sim["plans"][name], base,
+        job = make_job(model_config(name, conf_dir, "sim.models"), plans[name], base,
                        a100, f"sim.plans.{name}", use_profile=False)
         cells += _policy_cells("table3", name, job, base, paper.TABLE3[name],
                                paper.TABLE3_MTBF_MINUTES)
