@@ -10,6 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.ettr_formulas import ettr_formula, oracle_interval
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim import (
     ClusterSpec,
@@ -20,7 +21,7 @@ from lightning_moe_ckpt.sim import (
     make_policy,
 )
 from lightning_moe_ckpt.sim.dense_policies import gemini_regime
-from lightning_moe_ckpt.sim.ettr import analytic_ettr, ettr_formula, oracle_interval
+from lightning_moe_ckpt.sim.ettr import analytic_ettr
 from lightning_moe_ckpt.sim.inputs import parse_precision
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -24,6 +24,7 @@ from lightning_moe_ckpt.sim import (
     monte_carlo_ettr,
     trace_ettr,
 )
+from lightning_moe_ckpt.sim.calibration import Calibration
 from lightning_moe_ckpt.sim.inputs import parse_precision
 from lightning_moe_ckpt.sim.partial_policies import MoCPolicy, MoCState
 
@@ -38,7 +39,10 @@ def job(name: str, pp: int, dp: int) -> SimJob:
     model = MoEModelConfig.from_mapping(
         OmegaConf.to_container(OmegaConf.load(CONF / f"model/{name}.yaml")))
     plan = ParallelPlan(pp=pp, dp=dp, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
-    return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster)))
+    # Paper-calibrated: MoC's snapshot path is slow enough that K starts at 12.5%.
+    calibration = Calibration.from_mapping(OmegaConf.load(CONF / "sim/paper.yaml").calibration)
+    return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster),
+                             calibration=calibration))
 
 
 @pytest.mark.parametrize("policy", ["checkfreq", "gemini", "moetion", "moevement"])
@@ -72,26 +76,36 @@ def test_moc_monte_carlo_stays_within_its_spread_of_the_expected_trajectory() ->
 
 def test_moc_doubles_k_once_the_lost_token_budget_is_spent() -> None:
     simulated = job("deepseek_moe", 12, 1)
-    policy = MoCPolicy(simulated, RUN_S, lost_token_budget=0.0375, initial_fraction=0.125)
+    probe = MoCPolicy(simulated, 3600.0, lost_token_budget=0.0375, initial_fraction=0.125)
+    lost = probe.expected_lost(8)  # iterations' worth per failure at K=8
+    # MTBF at which one failure's loss is exactly twice the budget of the tokens trained.
+    mtbf_s = lost / (2 * 0.0375) * simulated.iteration_s
+    policy = MoCPolicy(simulated, mtbf_s, lost_token_budget=0.0375, initial_fraction=0.125)
     state = policy.initial_state()
     assert state.experts == 8  # 12.5% of 64 experts
-    seen = [state.experts]
-    for _ in range(60):
+    first = policy.after_failure(state, None)
+    # PLT = lost / (1 failure x MTBF of iterations) = 7.5% > 3.75%: K doubles.
+    assert policy.lost_token_share(MoCState(8, lost, 1)) == pytest.approx(0.075)
+    assert (first.experts, first.exhausted) == (16, True)
+    # The budget stays spent: every later failure doubles K, up to every expert.
+    seen = [first.experts]
+    for _ in range(4):
+        seen.append(policy.after_failure(MoCState(seen[-1], 0.0, 9, True), None).experts)
+    assert seen == [16, 32, 64, 64, 64]
+    # More experts per snapshot: larger snapshots, more overhead.
+    assert policy.regime(MoCState(64, 0.0)).overhead >= policy.regime(MoCState(8, 0.0)).overhead
+
+
+def test_moc_keeps_k_while_the_lost_tokens_stay_within_budget() -> None:
+    simulated = job("deepseek_moe", 12, 1)
+    lost = MoCPolicy(simulated, 3600.0, 0.0375, 0.125).expected_lost(8)
+    mtbf_s = lost / (0.5 * 0.0375) * simulated.iteration_s  # PLT = half the budget
+    policy = MoCPolicy(simulated, mtbf_s, 0.0375, 0.125)
+    state = policy.initial_state()
+    for _ in range(10):
         state = policy.after_failure(state, None)
-        seen.append(state.experts)
-    assert seen == sorted(seen)  # K never goes down
-    assert seen[-1] == 64  # frequent failures end in checkpointing every expert
-    first_raise = next(i for i, k in enumerate(seen) if k > 8)
-    spent = sum(policy.expected_lost(8) for _ in range(first_raise))
-    assert spent > policy.budget_iterations
-    # More experts per checkpoint: larger persists, longer rollbacks.
-    assert (policy.regime(MoCState(64, 0.0)).recovery.expected_s
-            > policy.regime(MoCState(8, 0.0)).recovery.expected_s)
-
-
-def test_moc_keeps_k_when_failures_are_rare() -> None:
-    planned = make_policy("moc", job("deepseek_moe", 12, 1), 7200.0, RUN_S)
-    assert analytic_ettr(planned, 7200.0, RUN_S).final_note.startswith("K=8/64")
+    assert (state.experts, state.failures, state.exhausted) == (8, 10, False)
+    assert policy.lost_token_share(state) == pytest.approx(0.5 * 0.0375)
 
 
 def test_trace_without_failures_costs_only_the_overhead() -> None:

@@ -101,7 +101,7 @@ def test_skew_makes_moc_token_losses_bursty() -> None:
     lost_uniform, lost_skewed = uniform._lost_pool(8), skewed._lost_pool(8)
     # Round-robin ages do not depend on popularity: the same mean, but bursts under skew.
     assert lost_uniform.std() == pytest.approx(0.0, abs=1e-9)
-    assert lost_skewed.std() > 0.2 * lost_skewed.mean()
+    assert lost_skewed.std() > 0.1 * lost_skewed.mean()
     assert lost_skewed.mean() == pytest.approx(uniform.expected_lost(8), rel=0.2)
 
 

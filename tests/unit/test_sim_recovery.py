@@ -18,6 +18,7 @@ from lightning_moe_ckpt.sim import (
     build_job,
     make_policy,
 )
+from lightning_moe_ckpt.sim.calibration import Calibration
 from lightning_moe_ckpt.sim.inputs import parse_precision
 from lightning_moe_ckpt.sim.moevement import stage_schedules
 from lightning_moe_ckpt.sim.recovery import global_rollback, localized_replay
@@ -35,7 +36,10 @@ def paper_job(name: str) -> SimJob:
         OmegaConf.to_container(OmegaConf.load(CONF / f"model/{name}.yaml")))
     pp, dp, ep = PLANS[name]
     plan = ParallelPlan(pp=pp, dp=dp, ep=ep, global_batch=512, micro_batch=32, seq_len=2048)
-    return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster)))
+    # The paper-calibrated job (conf/sim/paper.yaml): the comparison below is the paper's.
+    calibration = Calibration.from_mapping(OmegaConf.load(CONF / "sim/paper.yaml").calibration)
+    return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster),
+                             calibration=calibration))
 
 
 def test_localized_replay_bounds_and_mean_for_a_known_window() -> None:

@@ -120,13 +120,14 @@ def test_algorithm_1_window_size() -> None:
     order = schedule.order
     assert sorted(op.name for op in order) == sorted(op.name for op in ops)
     assert order == order_operators(ops)
-    first = schedule.per_snapshot
+    first = len(schedule.turns[0])
     expected_first = (sum(op.master_state_bytes for op in order[:first])
                       + sum(op.compute_bytes for op in order[first:])) / ranks
     assert schedule.snapshot_bytes[0] == pytest.approx(expected_first)
     assert schedule.frozen_after(schedule.window - 1) == frozenset()
     # Nothing fits: one operator per snapshot (the caller charges the stall).
-    assert find_window(ops, ranks, budget_bytes=floor / 10).per_snapshot == 1
+    tight = find_window(ops, ranks, budget_bytes=floor / 10)
+    assert not tight.fits and all(len(turn) == 1 for turn in tight.turns)
 
 
 def test_popular_operators_are_checkpointed_last() -> None:

@@ -32,6 +32,8 @@ from typing_extensions import override
 from lightning_moe_ckpt.checkpoint.planners import BasePlanner, CapturePlan
 from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
+from lightning_moe_ckpt.ettr_formulas import ettr_formula
+from lightning_moe_ckpt.ettr_formulas import oracle_interval as sweep
 
 _SWEEP_LIMIT = 1_000_000  # intervals beyond this many iterations are never useful
 IntervalAgreement = Callable[[int], int]  # this rank's k -> the k all ranks use
@@ -41,10 +43,6 @@ def oracle_interval(mtbf_s: float, iteration_time_s: float, snapshot_time_s: flo
                     recovery_fixed_s: float = 0.0, max_interval: int | None = None) -> int:
     """Gemini's oracle: the ``k`` in ``1..max_interval`` with the highest analytic ETTR
     (ties: the shorter). ``max_interval`` defaults to one MTBF's worth of iterations."""
-    # Imported lazily: the simulator package pulls in matplotlib for its reports.
-    from lightning_moe_ckpt.sim.ettr import ettr_formula
-    from lightning_moe_ckpt.sim.ettr import oracle_interval as sweep
-
     require(mtbf_s > 0, f"{fmt('checkpoint.mtbf_s', mtbf_s)} must be > 0")
     require(iteration_time_s > 0, f"iteration time {iteration_time_s} s must be > 0")
     require(snapshot_time_s >= 0, f"snapshot time {snapshot_time_s} s must be >= 0")

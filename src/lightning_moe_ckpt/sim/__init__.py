@@ -5,16 +5,18 @@ checkpoint policy, the simulator estimates the iteration time (1F1B pipeline plu
 alpha-beta gradient sync plus optimizer), each policy's checkpoint interval/window,
 per-iteration stall and recovery time, and the resulting ETTR, analytically and by
 Monte-Carlo. ``recipes/simulate.py`` drives it from ``conf/simulate.yaml``; the modules
-are usable on their own (see :func:`build_job`, :func:`make_policy`, :func:`analytic_ettr`).
+are usable on their own (see :func:`build_job`, :func:`make_policy`, :func:`analytic_ettr`);
+:class:`Calibration` holds the fitted constants, :mod:`.paper_report` the side-by-side
+with the paper's tables.
 """
 
+from lightning_moe_ckpt.ettr_formulas import ettr_formula, oracle_interval
+from lightning_moe_ckpt.sim.calibration import Calibration
 from lightning_moe_ckpt.sim.ettr import (
     AnalyticResult,
     MonteCarloResult,
     analytic_ettr,
-    ettr_formula,
     monte_carlo_ettr,
-    oracle_interval,
     trace_ettr,
 )
 from lightning_moe_ckpt.sim.experiments import SimulationReport, simulate
@@ -31,6 +33,7 @@ __all__ = [
     "POLICY_NAMES",
     "PRECISIONS",
     "AnalyticResult",
+    "Calibration",
     "ClusterSpec",
     "JobSpec",
     "MeasuredProfile",

@@ -1,4 +1,4 @@
-"""ETTR: the paper's analytic formula, the oracle interval sweep, and Monte-Carlo runs.
+"""ETTR of a policy over a run: the analytic expected trajectory and Monte-Carlo runs.
 
 Analytic (paper §2.4 / Appendix C), failures a Poisson process of rate ``1 / MTBF``::
 
@@ -16,37 +16,17 @@ that recovery. Results carry the mean and the spread over runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lightning_moe_ckpt.errors import require
+from lightning_moe_ckpt.ettr_formulas import ettr_formula
 
 if TYPE_CHECKING:
     from lightning_moe_ckpt.sim.regime import Policy
-
-
-def ettr_formula(stall_s: float, iteration_s: float, interval: Any, expected_recovery_s: Any,
-                 mtbf_s: float) -> Any:
-    """Paper §2.4: runtime-overhead factor times recovery-overhead factor. ``interval`` and
-    ``expected_recovery_s`` may be arrays (one ETTR per candidate interval)."""
-    require(mtbf_s > 0, f"MTBF must be > 0 seconds, got {mtbf_s}")
-    runtime = 1.0 / (1.0 + stall_s / (iteration_s * interval))
-    return runtime / (1.0 + expected_recovery_s / mtbf_s)
-
-
-def oracle_interval(ettr_of: Callable[[np.ndarray], np.ndarray],
-                    max_interval: int) -> tuple[int, float]:
-    """The interval in ``1..max_interval`` with the highest ETTR (hindsight: Gemini's oracle,
-    paper §5.2), and that ETTR; ties go to the shorter interval. ``ettr_of`` maps an array
-    of intervals to their ETTRs."""
-    require(max_interval >= 1, f"max_interval={max_interval} must be >= 1")
-    intervals = np.arange(1, max_interval + 1)
-    values = np.asarray(ettr_of(intervals), dtype=float)
-    best = int(np.argmax(values))  # first maximum: the shortest interval
-    return int(intervals[best]), float(values[best])
 
 
 @dataclass(frozen=True)
@@ -57,24 +37,13 @@ class AnalyticResult:
     final_note: str  # the regime in force at the end (e.g. MoC's final K)
 
 
-def analytic_ettr(policy: Policy, mtbf_s: float, run_s: float) -> AnalyticResult:
-    """Expected ETTR of ``policy`` over a run of ``run_s`` seconds.
-
-    A renewal cycle is ``MTBF`` of work (slowed by the runtime overhead) plus one expected
-    recovery; the run holds ``run_s / cycle`` of them, the last one fractionally. With a
-    single regime this is exactly the §2.4 formula; a dynamic policy moves to its next
-    regime after each cycle's failure.
-    """
-    require(mtbf_s > 0, f"MTBF must be > 0 seconds, got {mtbf_s}")
+def _expected_cycles(policy: Policy, mtbf_s: float, run_s: float,
+                     rng: np.random.Generator | None) -> AnalyticResult:
+    """One trajectory of expected-length renewal cycles; ``rng`` draws each failure's
+    state transition (None: the expected transition)."""
     state = policy.initial_state()
-    regime = policy.regime(state)
-    if not policy.dynamic:
-        recovery = regime.recovery.expected_s
-        failures = run_s / (mtbf_s + recovery)
-        ettr = ettr_formula(regime.stall_s, regime.iteration_s, regime.interval, recovery,
-                            mtbf_s)
-        return AnalyticResult(float(ettr), failures, failures * recovery, regime.note)
     elapsed, useful, recovering, failures = 0.0, 0.0, 0.0, 0.0
+    regime = policy.regime(state)
     while elapsed < run_s:
         regime = policy.regime(state)
         recovery = regime.recovery.expected_s
@@ -84,8 +53,44 @@ def analytic_ettr(policy: Policy, mtbf_s: float, run_s: float) -> AnalyticResult
         recovering += weight * recovery
         failures += weight
         elapsed += weight * cycle
-        state = policy.after_failure(state, None)
+        state = policy.after_failure(state, rng)
     return AnalyticResult(useful / run_s, failures, recovering, regime.note)
+
+
+def analytic_ettr(policy: Policy, mtbf_s: float, run_s: float,
+                  transition_draws: int = 32) -> AnalyticResult:
+    """Expected ETTR of ``policy`` over a run of ``run_s`` seconds.
+
+    A renewal cycle is ``MTBF`` of work (slowed by the runtime overhead) plus one expected
+    recovery; the run holds ``run_s / cycle`` of them, the last one fractionally. With a
+    single regime this is exactly the §2.4 formula. A dynamic policy moves to its next
+    regime after each cycle's failure; where that move depends on what the failure costs
+    (MoC's lost tokens, bursty under popularity skew), the result is the mean over
+    ``transition_draws`` trajectories with seeded draws of it (fixed seed: deterministic),
+    since a threshold on accumulated losses reacts to bursts, not only to their mean.
+    """
+    require(mtbf_s > 0, f"MTBF must be > 0 seconds, got {mtbf_s}")
+    if not policy.dynamic:
+        regime = policy.regime(policy.initial_state())
+        recovery = regime.recovery.expected_s
+        failures = run_s / (mtbf_s + recovery)
+        ettr = ettr_formula(regime.overhead_s_per_iteration, regime.iteration_s, 1, recovery,
+                            mtbf_s)
+        return AnalyticResult(float(ettr), failures, failures * recovery, regime.note)
+    rng = np.random.default_rng(0)
+    paths = [_expected_cycles(policy, mtbf_s, run_s, rng) for _ in range(transition_draws)]
+    return AnalyticResult(float(np.mean([p.ettr for p in paths])),
+                          float(np.mean([p.failures for p in paths])),
+                          float(np.mean([p.total_recovery_s for p in paths])),
+                          _most_common(p.final_note for p in paths))
+
+
+def _most_common(notes: Iterable[str]) -> str:
+    """The note most trajectories end with (the regime a run most likely ends in)."""
+    counts: dict[str, int] = {}
+    for note in notes:
+        counts[note] = counts.get(note, 0) + 1
+    return max(counts, key=lambda n: counts[n]) if counts else ""
 
 
 @dataclass(frozen=True)

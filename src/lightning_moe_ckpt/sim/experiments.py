@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
+from lightning_moe_ckpt.ettr_formulas import ettr_formula
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim.dense_policies import checkfreq_regime, gemini_regime
-from lightning_moe_ckpt.sim.ettr import analytic_ettr, ettr_formula, monte_carlo_ettr, trace_ettr
+from lightning_moe_ckpt.sim.ettr import analytic_ettr, monte_carlo_ettr, trace_ettr
 from lightning_moe_ckpt.sim.inputs import ClusterSpec
 from lightning_moe_ckpt.sim.job import SimJob
 from lightning_moe_ckpt.sim.policies import check_policy_names, make_policy
@@ -143,8 +144,8 @@ def interval_sweep(job: SimJob, policy: str, mtbf_minutes: tuple[float, ...],
     regimes = [regime_of(job, n) for n in intervals]
     curves = []
     for minutes in mtbf_minutes:
-        values = tuple(ettr_formula(r.stall_s, r.iteration_s, r.interval, r.recovery.expected_s,
-                                    minutes * 60) for r in regimes)
+        values = tuple(ettr_formula(r.overhead_s_per_iteration, r.iteration_s, 1,
+                                    r.recovery.expected_s, minutes * 60) for r in regimes)
         best = int(np.argmax(values))
         curves.append(SweepCurve(minutes, intervals, values, intervals[best], values[best]))
     return tuple(curves)

@@ -49,7 +49,6 @@ class ClusterSpec:
     host_memory_gb: float
     intra_node_latency_us: float  # alpha term of the collective model
     inter_node_latency_us: float
-    host_network_efficiency: float  # share of line rate that host-staged copies reach
     fp8_tflops: float = 0.0  # 0: no FP8 tensor cores
     fp32_tflops: float | None = None  # None: TF32 tensor cores at half the 16-bit peak
 
@@ -77,10 +76,8 @@ class ClusterSpec:
         for field in ("peak_tflops", "device_memory_gbps", "intra_node_gbps", "inter_node_gbps",
                       "device_to_host_gbps", "remote_storage_gbps", "host_memory_gb"):
             _positive(f"{key}.{field}", getattr(self, field))
-        for field in ("mfu", "host_network_efficiency"):
-            value = getattr(self, field)
-            require(isinstance(value, (int, float)) and 0 < value <= 1,
-                    f"{fmt(key + '.' + field, value)} must be in (0, 1]")
+        require(isinstance(self.mfu, (int, float)) and 0 < self.mfu <= 1,
+                f"{fmt(key + '.mfu', self.mfu)} must be in (0, 1]")
         for field in ("intra_node_latency_us", "inter_node_latency_us", "fp8_tflops"):
             value = getattr(self, field)
             require(isinstance(value, (int, float)) and value >= 0,
@@ -120,19 +117,9 @@ class ClusterSpec:
         return self.device_memory_gbps * BYTES_PER_GBIT
 
     @property
-    def host_copy_per_gpu(self) -> float:
-        """Per-GPU rate of host-staged copies to peers' host memory (checkpoint replication)."""
-        return self.nic_share_per_gpu * self.host_network_efficiency
-
-    @property
-    def host_copy_per_node(self) -> float:
-        """Per-node rate of host-staged copies (a replacement node fetching its state)."""
-        return self.nic_bytes_per_s * self.host_network_efficiency
-
-    @property
     def storage_bytes_per_s(self) -> float:
-        """Aggregate rate to durable storage, shared by every writer in the cluster."""
-        return self.remote_storage_gbps * BYTES_PER_GBIT * self.host_network_efficiency
+        """Line rate of the whole cluster to durable storage, shared by every writer."""
+        return self.remote_storage_gbps * BYTES_PER_GBIT
 
 
 @dataclass(frozen=True)
@@ -141,7 +128,9 @@ class ParallelPlan:
 
     ``micro_batch`` sequences form one pipeline micro-batch; they are split over the
     ``dp x ep`` data-parallel ranks of a stage, and ``global_batch / micro_batch``
-    micro-batches flow through the 1F1B pipeline per iteration.
+    micro-batches flow through the 1F1B pipeline per iteration. ``virtual_stages`` is the
+    interleaved 1F1B schedule's model chunks per GPU (the paper's DeepSpeed runs use one
+    such schedule, §5.1): the pipeline bubble shrinks to ``(pp - 1) / virtual_stages`` slots.
     """
 
     pp: int
@@ -151,6 +140,7 @@ class ParallelPlan:
     micro_batch: int
     seq_len: int
     gpus: int | None = None
+    virtual_stages: int = 1
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], key: str) -> ParallelPlan:
@@ -158,14 +148,15 @@ class ParallelPlan:
         unknown = sorted(set(values) - known)
         require(not unknown, f"unknown parallel plan key(s) "
                              f"{', '.join(key + '.' + k for k in unknown)}; known: {sorted(known)}")
-        missing = sorted(k for k in known - {"gpus"} if k not in values)
+        missing = sorted(k for k in known - {"gpus", "virtual_stages"} if k not in values)
         require(not missing, f"parallel plan {key} lacks {', '.join(missing)}")
         plan = cls(**dict(values))
         plan.validate(key)
         return plan
 
     def validate(self, key: str) -> None:
-        for field in ("pp", "dp", "ep", "global_batch", "micro_batch", "seq_len"):
+        for field in ("pp", "dp", "ep", "global_batch", "micro_batch", "seq_len",
+                      "virtual_stages"):
             _positive(f"{key}.{field}", getattr(self, field), integer=True)
         require(self.global_batch % self.micro_batch == 0,
                 f"{key}.global_batch={self.global_batch} must be a multiple of "
@@ -203,6 +194,11 @@ class ParallelPlan:
     @property
     def microbatches(self) -> int:
         return self.global_batch // self.micro_batch
+
+    @property
+    def bubble_slots(self) -> float:
+        """Pipeline fill and drain, in micro-batch slots (interleaving divides it)."""
+        return (self.pp - 1) / self.virtual_stages
 
     @property
     def tokens_per_rank(self) -> int:

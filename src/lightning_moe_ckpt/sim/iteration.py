@@ -5,7 +5,8 @@ profiled time), blocks on the expert all-to-all (dispatch and combine, forward a
 backward, for each MoE layer) and exchanges activations/gradients with its neighbours;
 1F1B overlaps those point-to-point transfers with the next micro-batch's compute, so one
 pipeline slot is ``max(compute + all-to-all, p2p)``. Following Appendix C,
-``T_pipeline = (M + S - 1) x max_s slot_s`` and ``T_iter = T_pipeline + T_sync + T_update``
+``T_pipeline = (M + (S - 1) / v) x max_s slot_s`` (``v`` model chunks per GPU of the
+interleaved schedule, 1 without interleaving) and ``T_iter = T_pipeline + T_sync + T_update``
 with an alpha-beta gradient all-reduce (optionally partly overlapped with backward) and a
 memory-bound optimizer step. A localized replay (MoEvement's upstream logging) runs one
 stage's ``M`` micro-batches with inputs from the neighbours' logs: no pipeline bubble,
@@ -118,13 +119,40 @@ class IterationModel:
         bytes_per_param = 2 * p.master_state_bytes + p.grad_bytes + p.compute_bytes
         return stage.params_per_gpu * bytes_per_param / self.cluster.hbm_bytes_per_s * active_share
 
+    def network_busy_s(self) -> float:
+        """Seconds per iteration the training's own traffic keeps one GPU's NIC share busy
+        (cross-node pipeline sends, expert all-to-all and gradient all-reduce), on the
+        busiest stage: the network time checkpoint copies cannot use."""
+        plan, cluster = self.plan, self.cluster
+        message = plan.tokens_per_rank * self.model.d_model * self.precision.activation_bytes
+        grad = self.precision.grad_bytes
+        busiest = 0.0
+        for stage in self.stages:
+            # One activation downstream and one gradient upstream per micro-batch, for each
+            # boundary of this stage that leaves the node.
+            boundaries = [i for i in (stage.index - 1, stage.index) if 0 <= i < plan.pp - 1]
+            crossing = sum(comm.boundary_crosses_node(i, plan, cluster) for i in boundaries)
+            sends = plan.microbatches * crossing * message / cluster.nic_share_per_gpu
+            dispatch = 0.0
+            if plan.ep > 1:
+                per_rank = plan.tokens_per_rank * self.model.top_k * self.model.d_model * \
+                    self.precision.activation_bytes
+                dispatch = 4 * len(stage.layers) * plan.microbatches * comm.all_to_all_parts(
+                    per_rank, comm.expert_group(plan, cluster), cluster)[1]
+            sync = (comm.all_reduce_parts(stage.numel(expert=False) * grad,
+                                          comm.stage_group(plan, cluster), cluster)[1]
+                    + comm.all_reduce_parts(stage.numel(expert=True) / plan.ep * grad,
+                                            comm.expert_data_group(plan, cluster), cluster)[1])
+            busiest = max(busiest, sends + dispatch + sync)
+        return busiest
+
     def _stage_timing(self, stage: Stage) -> StageTiming:
         return StageTiming(stage.index, self.compute_s(stage), self.all_to_all_s(stage),
                            self.p2p_s(stage), self.grad_sync_s(stage), self.update_s(stage))
 
     def _iteration(self) -> IterationTime:
         timings = tuple(self._stage_timing(stage) for stage in self.stages)
-        slots = self.plan.microbatches + self.plan.pp - 1
+        slots = self.plan.microbatches + self.plan.bubble_slots
         pipeline = slots * max(t.slot_s for t in timings)
         sync = max(t.grad_sync_s for t in timings)
         update = max(t.update_s for t in timings)

@@ -11,12 +11,15 @@ The stage whose GPUs hold the most state bounds every checkpoint transfer.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.models.config import MoEModelConfig
+from lightning_moe_ckpt.sim.calibration import NEUTRAL, Calibration
 from lightning_moe_ckpt.sim.inputs import ClusterSpec, ParallelPlan, PrecisionSpec
 from lightning_moe_ckpt.sim.iteration import IterationModel, IterationTime
 from lightning_moe_ckpt.sim.popularity import sample_shares
@@ -38,6 +41,7 @@ class JobSpec:
     grad_sync_overlap: float = 0.0
     restart_s: float = 0.0  # failure detection + replacement, equal for every policy
     profile: MeasuredProfile | None = None
+    calibration: Calibration = NEUTRAL
     key: str = "sim"
 
 
@@ -100,27 +104,78 @@ class SimJob:
         directions = 0 if plan.pp == 1 else 2
         return plan.microbatches * per_message * directions
 
-    # -- transfer times --------------------------------------------------------------
+    # -- transfer rates and times ----------------------------------------------------
+    @property
+    def calibration(self) -> Calibration:
+        return self.spec.calibration
+
+    @functools.cached_property
+    def training_network_share(self) -> float:
+        """Share of an iteration the training's own inter-node traffic keeps a GPU's NIC
+        share busy."""
+        return min(self.timing.network_busy_s() / self.iteration_s, 1.0)
+
+    @property
+    def host_copy_per_gpu(self) -> float:
+        """Per-GPU rate of host-staged copies to peers during training: the calibrated
+        share of line rate, in the NIC time the training's own traffic leaves free, but at
+        least half of it (two competing flows share a link fairly; what checkpoint traffic
+        then takes from training is its network interference)."""
+        free = max(1.0 - self.training_network_share, 0.5)
+        return (self.cluster.nic_share_per_gpu * self.calibration.host_network_efficiency
+                * free)
+
+    @property
+    def host_copy_per_node(self) -> float:
+        """Per-node rate of host-staged copies while training is stopped (a replacement
+        node fetching its state during recovery)."""
+        return self.cluster.nic_bytes_per_s * self.calibration.host_network_efficiency
+
+    @property
+    def storage_bytes_per_s(self) -> float:
+        """Aggregate rate of checkpoint files to or from durable storage."""
+        return self.cluster.storage_bytes_per_s * self.calibration.storage_efficiency
+
     def to_host_s(self, nbytes: float) -> float:
         """GPU to its own host memory over PCIe."""
         return nbytes / self.cluster.pcie_bytes_per_s
 
     def to_peers_s(self, nbytes: float) -> float:
         """Replicating ``nbytes`` of one GPU to ``replicas`` peers' host memory."""
-        return nbytes * self.spec.replicas / self.cluster.host_copy_per_gpu
+        return nbytes * self.spec.replicas / self.host_copy_per_gpu
 
     def node_fetch_s(self, nbytes_per_gpu: float) -> float:
         """A replacement node pulling ``nbytes_per_gpu`` for each of its GPUs from peers."""
-        return nbytes_per_gpu * self.node_gpus / self.cluster.host_copy_per_node
+        return nbytes_per_gpu * self.node_gpus / self.host_copy_per_node
 
     def storage_s(self, nbytes_total: float) -> float:
         """Moving ``nbytes_total`` between the cluster and durable storage."""
-        return nbytes_total / self.cluster.storage_bytes_per_s
+        return nbytes_total / self.storage_bytes_per_s
 
     def node_storage_s(self, nbytes_per_gpu: float) -> float:
         """A replacement node reading its GPUs' state back from durable storage."""
-        rate = min(self.cluster.storage_bytes_per_s, self.cluster.host_copy_per_node)
+        rate = min(self.storage_bytes_per_s, self.host_copy_per_node)
         return nbytes_per_gpu * self.node_gpus / rate
+
+    @property
+    def global_restart_s(self) -> float:
+        """Restart cost of a failure that rolls every rank back: detection and replacement,
+        plus every rank's restart, one bootstrap step per doubling of the nodes."""
+        nodes = self.plan.nodes(self.cluster.gpus_per_node)
+        steps = math.log2(nodes) if nodes > 1 else 0.0
+        return self.spec.restart_s + self.calibration.global_restart_s_per_doubling * steps
+
+    def interference(self, pcie_bytes: Any, network_bytes: Any) -> Any:
+        """Runtime overhead fraction of one GPU's checkpoint traffic per iteration:
+        ``pcie_bytes`` device-to-host and ``network_bytes`` leaving the node (replicas or
+        storage), each slowing training in proportion to the share of the iteration it
+        keeps its link busy (at most all of it). Arrays give one value per element."""
+        pcie_busy = np.minimum(pcie_bytes / self.cluster.pcie_bytes_per_s / self.iteration_s,
+                               1.0)
+        network_busy = np.minimum(network_bytes / self.host_copy_per_gpu / self.iteration_s,
+                                  1.0)
+        c = self.calibration
+        return c.copy_interference * pcie_busy + c.network_interference * network_busy
 
 
 def build_job(spec: JobSpec) -> SimJob:

@@ -161,7 +161,7 @@ class CalibratedPolicy(Policy):
     def regime(self, state: object) -> Regime:
         regime = self.inner.regime(state)
         stall = self.overhead * regime.iteration_s * regime.interval
-        return dataclasses.replace(regime, stall_s=stall)
+        return dataclasses.replace(regime, stall_s=stall, interference=0.0)
 
     def after_failure(self, state: object, rng: np.random.Generator | None) -> object:
         return self.inner.after_failure(state, rng)
@@ -198,7 +198,8 @@ def plan_measured(name: str, job: SimJob, knobs: PolicyKnobs, mtbf_s: float, run
         fraction = (settings.moc_initial_fraction if knobs.experts_per_layer is None
                     else min(1.0, knobs.experts_per_layer / experts))
         budget = knobs.lost_token_budget or settings.moc_lost_token_budget
-        return MoCPolicy(job, run_s, budget, fraction, settings.seed)
+        return MoCPolicy(job, mtbf_s, budget, fraction, settings.seed,
+                         adapt_initial=knobs.experts_per_layer is None)
     if name == "moetion":
         return plan_moetion(job)
     raise ConfigError(f"policy {name!r} has no simulator model; choose one of checkfreq, "

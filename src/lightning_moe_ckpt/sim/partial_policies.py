@@ -9,9 +9,10 @@ of a layer's routed tokens).
   layer (round-robin) into local host memory; the latest snapshot is persisted to durable
   storage whenever the previous persist is done, and that persisted checkpoint is what
   recovery restores (a failed node's host memory is gone). Experts missing from it come
-  from older persisted checkpoints. Its Dynamic-K keeps the proportion of lost tokens
-  within a budget (3.75% of the run's tokens, MoC §3.1, §5.3): after a failure that
-  exceeds it, K doubles, up to every expert; larger K means larger, slower persists.
+  from older persisted checkpoints. Its Dynamic-K keeps the aggregated proportion of lost
+  tokens within a budget (3.75% of the tokens trained so far, MoC §3.1, §4.4): after a
+  failure that leaves it above, K doubles, up to every expert; larger K means larger
+  snapshots that stall more, and larger, slower persists.
 * **MoEtion**: every iteration replicates non-experts + the S experts with the most
   tokens since their last checkpoint (S as large as the per-iteration budget allows);
   after recovery the lost tokens are reprocessed by boosting the stale experts' capacity
@@ -24,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from typing_extensions import override
 
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.sim.job import SimJob
@@ -33,7 +35,7 @@ from lightning_moe_ckpt.sim.recovery import global_rollback
 from lightning_moe_ckpt.sim.regime import Policy, Regime, StaticPolicy
 
 
-def partial_bytes(job: SimJob, experts_per_layer: int) -> tuple[float, float]:
+def partial_bytes(job: SimJob, experts_per_layer: float) -> tuple[float, float]:
     """(largest per-GPU share, whole-job total) of a checkpoint holding all non-expert
     master state and ``experts_per_layer`` experts of every layer."""
     fraction = experts_per_layer / job.spec.model.n_experts
@@ -46,67 +48,115 @@ def partial_bytes(job: SimJob, experts_per_layer: int) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class MoCState:
-    experts: int  # K: experts per layer per snapshot
+    experts: float  # K: experts per layer per snapshot (a mean: MoC interleaves layers)
     lost_iterations: float  # lost tokens so far, in iterations' worth
+    failures: int = 0  # failures so far
+    exhausted: bool = False  # whether the lost-token budget has been overrun
 
 
 class MoCPolicy(Policy):
-    """MoC-System with Dynamic-K over a run of ``run_s`` seconds."""
+    """MoC-System with Dynamic-K, as the MoEvement paper evaluated it.
+
+    Every iteration snapshots the non-experts and ``K`` experts per layer (round-robin,
+    interleaved over layers so ``K`` may be fractional; initially the largest K, from
+    ``initial_fraction`` of the experts doubling, whose snapshot overlaps the next
+    forward/backward, MoC's adaptive configuration), sharded evenly over all ranks,
+    into host memory through MoC's own copy path (a calibrated share of PCIe rate: each
+    expert shard is copied and serialised on its own); what does not fit the overlap
+    window stalls, and the copy slows training while it runs (copy interference). The latest
+    snapshot is persisted to storage whenever the previous persist is done, every ``P``
+    iterations. A failure restores the persisted checkpoint: an expert saved ``a`` rounds
+    ago loses ``a x P`` iterations of its tokens. Dynamic-K (MoC §4.4) watches the
+    aggregated proportion of lost tokens, lost so far over tokens trained so far (failures
+    x MTBF worth of iterations): once a failure leaves it above the budget, the budget is
+    spent and K doubles after that failure and every later one, up to every expert
+    (MoEvement §5.2: "overhead spikes ... as the token-loss budget is exhausted"); larger
+    snapshots stall more.
+    """
 
     name = "moc"
     dynamic = True
 
-    def __init__(self, job: SimJob, run_s: float, lost_token_budget: float,
-                 initial_fraction: float, seed: int = 0, pool_size: int = 256) -> None:
+    def __init__(self, job: SimJob, mtbf_s: float, lost_token_budget: float,
+                 initial_fraction: float, seed: int = 0, pool_size: int = 256,
+                 adapt_initial: bool = True) -> None:
         require(0 < lost_token_budget < 1,
                 f"sim.policy.moc.lost_token_budget={lost_token_budget} must be in (0, 1)")
         require(0 < initial_fraction <= 1,
                 f"sim.policy.moc.initial_fraction={initial_fraction} must be in (0, 1]")
+        require(mtbf_s > 0, f"MTBF must be > 0, got {mtbf_s} s")
         self.job, self.experts = job, job.spec.model.n_experts
-        self.initial_experts = min(self.experts, max(1, round(self.experts * initial_fraction)))
-        self.budget_iterations = lost_token_budget * run_s / job.iteration_s
+        # A K a real run used is kept as it is (adapt_initial=False).
+        self.initial_experts = self.experts * initial_fraction
+        if adapt_initial:
+            self.initial_experts = self._largest_overlapped(self.initial_experts)
+        self.budget = lost_token_budget
+        self.mtbf_iterations = mtbf_s / job.iteration_s
         self._rng, self._pool_size = np.random.default_rng(seed), pool_size
-        self._regimes: dict[int, Regime] = {}
-        self._lost_pools: dict[int, np.ndarray] = {}
-        self._persist_intervals: dict[int, int] = {}
+        self._regimes: dict[float, Regime] = {}
+        self._lost_pools: dict[float, np.ndarray] = {}
 
+    @override
     def initial_state(self) -> MoCState:
         return MoCState(self.initial_experts, 0.0)
 
-    def persist_interval(self, experts: int) -> int:
-        """Iterations between persisted checkpoints (a persist must finish first)."""
-        if experts not in self._persist_intervals:
-            _, total = partial_bytes(self.job, experts)
-            seconds = self.job.storage_s(total)
-            self._persist_intervals[experts] = max(1, math.ceil(seconds / self.job.iteration_s))
-        return self._persist_intervals[experts]
+    def _copy_s(self, experts: float) -> float:
+        """Seconds one GPU's share of a K-expert snapshot takes on MoC's copy path."""
+        _, total = partial_bytes(self.job, experts)
+        rate = self.job.cluster.pcie_bytes_per_s * self.job.calibration.partial_snapshot_efficiency
+        return total / self.job.plan.world_size / rate
 
+    def _largest_overlapped(self, floor: float) -> float:
+        """MoC-System's adaptive configuration (MoC §4.3): the largest K, doubling from
+        ``floor``, whose snapshot still overlaps the next forward/backward."""
+        experts = floor
+        while 2 * experts <= self.experts and \
+                self._copy_s(2 * experts) <= self.job.overlap_window_s:
+            experts *= 2
+        return experts
+
+    def rounds(self, experts: float) -> int:
+        """Snapshots until every expert has been saved once."""
+        return math.ceil(self.experts / experts - 1e-9)
+
+    def persist_interval(self, experts: float) -> int:
+        """Iterations between persisted checkpoints (a persist must finish first)."""
+        _, total = partial_bytes(self.job, experts)
+        seconds = self.job.calibration.persist_latency_s + self.job.storage_s(total)
+        return max(1, math.ceil(seconds / self.job.iteration_s))
+
+    @override
     def regime(self, state: object) -> Regime:
         assert isinstance(state, MoCState)
         if state.experts not in self._regimes:
             job, k = self.job, state.experts
-            per_gpu, total = partial_bytes(job, k)
-            persist_s = job.storage_s(total)
+            # MoC-System shards every checkpoint evenly over all ranks (its fully sharded
+            # checkpointing), so each GPU moves the job's bytes over the world size.
+            _, total = partial_bytes(job, k)
+            per_gpu = total / job.plan.world_size
             interval = self.persist_interval(k)
-            stall = max(0.0, job.to_host_s(per_gpu) - job.overlap_window_s)
-            # The replacement node reloads its whole state from storage; the rest from host
-            # memory. Everyone rolls back to the last persisted checkpoint.
-            recovery = global_rollback(job.iteration_s, interval,
+            efficiency = job.calibration.partial_snapshot_efficiency
+            copy_s = job.to_host_s(per_gpu) / efficiency
+            stall = max(0.0, copy_s - job.overlap_window_s)
+            # The slow copy keeps the host path busy for copy_s: PCIe-equivalent bytes
+            # per_gpu / efficiency. Each GPU's share is persisted every P iterations.
+            interference = float(job.interference(per_gpu / efficiency, per_gpu / interval))
+            # Everyone rolls back to the last snapshot; the replacement node reloads its
+            # state from storage, the others from their host memory.
+            recovery = global_rollback(job.iteration_s, 1,
                                        load_s=job.node_storage_s(job.dense_bytes_per_gpu),
-                                       restart_s=job.spec.restart_s, lag_s=persist_s)
-            rounds = math.ceil(self.experts / k)
-            note = f"K={k}/{self.experts}, persisted every {interval}"
-            self._regimes[k] = Regime(1, rounds * interval, stall, job.iteration_s, recovery,
-                                      per_gpu, note)
+                                       restart_s=job.global_restart_s)
+            note = f"K={k:g}/{self.experts}, persisted every {interval}"
+            self._regimes[k] = Regime(1, self.rounds(k) * interval, stall, job.iteration_s,
+                                      recovery, per_gpu, note, interference)
         return self._regimes[state.experts]
 
-    def expected_lost(self, experts: int) -> float:
+    def expected_lost(self, experts: float) -> float:
         """Mean lost tokens per failure: round-robin ages 0..G-1 persists, whatever the
         popularity (the failure's round-robin phase is uniform)."""
-        rounds = math.ceil(self.experts / experts)
-        return (rounds - 1) / 2 * self.persist_interval(experts)
+        return (self.rounds(experts) - 1) / 2 * self.persist_interval(experts)
 
-    def _lost_pool(self, experts: int) -> np.ndarray:
+    def _lost_pool(self, experts: float) -> np.ndarray:
         """Sampled lost tokens per failure under the job's popularity skew (bursts when a
         popular expert happens to be stale)."""
         if experts not in self._lost_pools:
@@ -114,13 +164,20 @@ class MoCPolicy(Policy):
             layers = min(model.n_layers, 8)
             shares = sample_shares(self.job.spec.popularity_alpha, layers, self.experts,
                                    self._rng, draws=self._pool_size)
-            rounds = math.ceil(self.experts / experts)
-            group = np.arange(self.experts) // experts
+            rounds = self.rounds(experts)
+            # Interleaved round-robin: expert e of layer l is saved in round (e + l) mod G.
+            group = np.add.outer(np.arange(layers), np.arange(self.experts)) % rounds
             phase = self._rng.integers(rounds, size=(self._pool_size, 1, 1))
             age = np.mod(phase - group, rounds) * self.persist_interval(experts)
             self._lost_pools[experts] = (shares * age).sum(axis=-1).mean(axis=-1)
         return self._lost_pools[experts]
 
+    def lost_token_share(self, state: MoCState) -> float:
+        """Aggregated proportion of lost tokens after ``state.failures`` failures."""
+        trained = state.failures * self.mtbf_iterations
+        return state.lost_iterations / trained if trained > 0 else 0.0
+
+    @override
     def after_failure(self, state: object, rng: np.random.Generator | None) -> MoCState:
         assert isinstance(state, MoCState)
         if rng is None:
@@ -128,11 +185,13 @@ class MoCPolicy(Policy):
         else:
             pool = self._lost_pool(state.experts)
             lost = float(pool[rng.integers(pool.size)])
-        total = state.lost_iterations + lost
-        experts = state.experts
-        if total > self.budget_iterations and experts < self.experts:
-            experts = min(self.experts, 2 * experts)
-        return MoCState(experts, total)
+        after = MoCState(state.experts, state.lost_iterations + lost, state.failures + 1,
+                         state.exhausted)
+        if not (after.exhausted or self.lost_token_share(after) > self.budget):
+            return after
+        # Once the budget has been overrun it stays spent: every later failure doubles K.
+        experts = min(float(self.experts), 2 * state.experts)
+        return MoCState(experts, after.lost_iterations, after.failures, exhausted=True)
 
 
 def unsaved_tokens(shares: np.ndarray, selected: int) -> float:
@@ -168,7 +227,7 @@ def plan_moetion(job: SimJob) -> StaticPolicy:
     lost = unsaved_tokens(job.shares, selected)
     compensation = lost * job.timing.expert_compute_per_iteration_s()
     load = max(job.node_fetch_s(job.dense_bytes_per_gpu), job.to_host_s(job.dense_bytes_per_gpu))
-    recovery = global_rollback(job.iteration_s, 1, load + compensation, job.spec.restart_s)
+    recovery = global_rollback(job.iteration_s, 1, load + compensation, job.global_restart_s)
     return StaticPolicy("moetion", Regime(
         1, math.ceil(experts / selected), snapshot_stall_s(job, per_gpu, upstream_log=False),
         job.iteration_s,

@@ -78,7 +78,7 @@ def make_policy(name: str, job: SimJob, mtbf_s: float, run_s: float,
     if name == "checkfreq":
         return plan_checkfreq(job, settings.checkfreq_max_overhead, settings.max_interval)
     if name == "moc":
-        return MoCPolicy(job, run_s, settings.moc_lost_token_budget,
+        return MoCPolicy(job, mtbf_s, settings.moc_lost_token_budget,
                          settings.moc_initial_fraction, settings.seed)
     if name == "moetion":
         return plan_moetion(job)

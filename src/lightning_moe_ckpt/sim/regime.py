@@ -3,7 +3,9 @@
 A regime is a policy's behaviour while its parameters stay fixed: how often it starts a
 checkpoint (``interval``), how many iterations one complete checkpoint spans (``window``:
 MoEvement's ``W_sparse``, 1 for dense checkpoints), the stall each checkpoint adds beyond
-what overlaps with training (``T_ckpt`` of the ETTR formula), and the recovery model.
+what overlaps with training, the slowdown its traffic causes by sharing PCIe, host memory
+and the network with training (``interference``; stall and interference together are
+``T_ckpt`` of the ETTR formula), and the recovery model.
 Most policies have one regime for the whole run. MoC changes regime after failures (its
 lost-token budget forces more experts per snapshot), so a policy exposes a state that
 :meth:`Policy.after_failure` advances; ``rng=None`` asks for the expected transition.
@@ -30,15 +32,22 @@ class Regime:
     recovery: RecoveryModel
     snapshot_bytes_per_gpu: float  # largest single snapshot a GPU moves
     note: str = ""
+    interference: float = 0.0  # slowdown fraction from checkpoint traffic sharing links
 
     @property
-    def overhead(self) -> float:
-        """Runtime overhead fraction: ``T_ckpt / (T_iter x interval)``."""
+    def stall_overhead(self) -> float:
+        """Stall share of the iteration time: ``stall / (T_iter x interval)``."""
         return self.stall_s / (self.iteration_s * self.interval)
 
     @property
+    def overhead(self) -> float:
+        """Runtime overhead fraction, ``T_ckpt / (T_iter x interval)``: stall plus
+        interference."""
+        return self.stall_overhead + self.interference
+
+    @property
     def overhead_s_per_iteration(self) -> float:
-        return self.stall_s / self.interval
+        return self.overhead * self.iteration_s
 
 
 class Policy(ABC):

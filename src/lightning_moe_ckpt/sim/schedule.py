@@ -1,57 +1,64 @@
-"""MoEvement's sparse checkpoint schedule: operator order and window size (Algorithm 1).
+"""MoEvement's sparse schedule in the simulator: the runtime's Algorithm 1 on modelled bytes.
 
-Operators are ordered by ascending popularity (activation frequency; non-expert operators
-see every token, so they come last) so that popular experts stay frozen longest during
-sparse-to-dense conversion, where freezing saves the most work (paper §3.5). Each
-snapshot ``i`` of a window captures the master state of slice ``i`` of that order and the
-compute weights of every later slice (not yet captured). ``FindWindowSize`` picks the
-largest slice (smallest window ``W``) whose largest snapshot still moves within the
-per-iteration byte budget; with real, unequal operator sizes the first snapshot, which
-carries every later slice's compute weights, is usually the binding one.
-:func:`fixed_window` builds the schedule of a given ``W`` instead (a window measured on a
-real run, for the simulator's calibration).
+The simulator does not plan windows itself: it hands each stage's operators, with the
+bytes one GPU holds of each (``1 / ranks`` of every operator) and their popularity, to
+:func:`lightning_moe_ckpt.checkpoint.schedule.plan_window`, the code the training runtime
+uses, and reads the result back in terms of its own :class:`OperatorCost` records. The
+per-iteration byte budget is passed as the bandwidth of a one-second iteration, so the
+window comes out exactly as the runtime would plan it for that budget: operators in
+ascending popularity (popular experts last), each turn as large as its snapshot (master
+state of the turn + compute weights of every later turn) still fits. :func:`fixed_window`
+asks the same code for a given ``W`` (a window measured on a real run, for calibration).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec, WindowSchedule, plan_window
+from lightning_moe_ckpt.checkpoint.schedule import order_operators as runtime_order
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.sim.workload import OperatorCost
 
+# plan_window needs a positive bandwidth; a budget this small fits no operator, which is
+# what a zero or negative budget means (one operator per turn, the stall charged later).
+_NOTHING_FITS_BYTES = 1e-9
+
+
+def _per_gpu_specs(operators: Sequence[OperatorCost], ranks: int) -> tuple[OperatorSpec, ...]:
+    """The runtime's view of a stage: each operator's bytes on one GPU (rounded to whole
+    bytes, as the runtime counts them) and its popularity."""
+    return tuple(OperatorSpec(op.name, round(op.compute_bytes / ranks),
+                              round(op.master_state_bytes / ranks), min(1.0, op.activation))
+                 for op in operators)
+
 
 def order_operators(operators: Sequence[OperatorCost]) -> tuple[OperatorCost, ...]:
-    """Ascending popularity; ties keep model order (stable sort)."""
-    return tuple(sorted(operators, key=lambda op: op.activation))
-
-
-def _snapshot_sizes(master: np.ndarray, compute: np.ndarray, per_snapshot: int) -> np.ndarray:
-    starts = np.arange(0, master.size, per_snapshot)
-    slice_master = np.add.reduceat(master, starts)
-    slice_compute = np.add.reduceat(compute, starts)
-    later_compute = compute.sum() - np.cumsum(slice_compute)
-    return slice_master + later_compute
+    """The runtime's order (ascending popularity, ties in model order) of ``operators``."""
+    by_name = {op.name: op for op in operators}
+    return tuple(by_name[name] for name in runtime_order(_per_gpu_specs(operators, 1)))
 
 
 @dataclass(frozen=True)
 class SparseSchedule:
-    """A stage's window: operator order, operators per snapshot, per-GPU snapshot bytes."""
+    """A stage's window: the turns of its operators and each snapshot's bytes on one GPU."""
 
-    order: tuple[OperatorCost, ...]
-    per_snapshot: int  # O_active of Algorithm 1
+    turns: tuple[tuple[OperatorCost, ...], ...]  # turns[i]: master state in snapshot i
     snapshot_bytes: tuple[float, ...]  # per GPU, one per snapshot of the window
+    fits: bool  # whether every snapshot moves within the budget
 
     @property
     def window(self) -> int:
-        return math.ceil(len(self.order) / self.per_snapshot)
+        return len(self.turns)
+
+    @property
+    def order(self) -> tuple[OperatorCost, ...]:
+        return tuple(op for turn in self.turns for op in turn)
 
     def frozen_after(self, snapshot: int) -> frozenset[str]:
         """Operators still frozen after loading snapshot ``snapshot`` during conversion."""
-        return frozenset(op.name for op in self.order[(snapshot + 1) * self.per_snapshot:])
+        return frozenset(op.name for turn in self.turns[snapshot + 1:] for op in turn)
 
     @property
     def largest_bytes(self) -> float:
@@ -63,32 +70,30 @@ class SparseSchedule:
         return float(sum(self.snapshot_bytes))
 
 
+def _from_runtime(planned: WindowSchedule, operators: Sequence[OperatorCost],
+                  specs: Sequence[OperatorSpec]) -> SparseSchedule:
+    by_name = {op.name: op for op in operators}
+    spec_of = {spec.name: spec for spec in specs}
+    turns = tuple(tuple(by_name[name] for name in turn) for turn in planned.turns)
+    sizes = tuple(float(planned.snapshot_bytes(i, spec_of)) for i in range(planned.window))
+    return SparseSchedule(turns, sizes, planned.fits)
+
+
 def find_window(operators: Sequence[OperatorCost], ranks: int,
                 budget_bytes: float) -> SparseSchedule:
-    """Algorithm 1 ``FindWindowSize`` over a stage's operators, each GPU holding ``1/ranks``
-    of every operator. Falls back to one operator per snapshot if nothing fits (the
-    resulting stall is the caller's to charge)."""
-    order = order_operators(operators)
-    master = np.array([op.master_state_bytes for op in order]) / ranks
-    compute = np.array([op.compute_bytes for op in order]) / ranks
-    sizes = _snapshot_sizes(master, compute, 1)
-    per_snapshot = 1
-    for active in range(len(order), 0, -1):
-        candidate = _snapshot_sizes(master, compute, active)
-        if candidate.max() <= budget_bytes:
-            sizes, per_snapshot = candidate, active
-            break
-    return SparseSchedule(order, per_snapshot, tuple(float(s) for s in sizes))
+    """Algorithm 1 over a stage's operators for a per-GPU, per-iteration ``budget_bytes``.
+    If nothing fits: one operator per snapshot, ``fits=False`` (the stall is the caller's
+    to charge)."""
+    specs = _per_gpu_specs(operators, ranks)
+    planned = plan_window(specs, 1.0, max(budget_bytes, _NOTHING_FITS_BYTES))
+    return _from_runtime(planned, operators, specs)
 
 
 def fixed_window(operators: Sequence[OperatorCost], ranks: int, window: int) -> SparseSchedule:
-    """The schedule of ``ceil(operators / window)`` operators per snapshot in Algorithm 1's
-    order: ``window`` snapshots per window wherever equal slices allow (else the nearest
-    fewer), for a W forced or measured rather than sized by the byte budget."""
-    require(isinstance(window, int) and window >= 1, f"window W={window!r} must be an integer >= 1")
-    order = order_operators(operators)
-    per_snapshot = max(1, math.ceil(len(order) / window))
-    master = np.array([op.master_state_bytes for op in order]) / ranks
-    compute = np.array([op.compute_bytes for op in order]) / ranks
-    sizes = _snapshot_sizes(master, compute, per_snapshot)
-    return SparseSchedule(order, per_snapshot, tuple(float(s) for s in sizes))
+    """The runtime's schedule of exactly ``window`` snapshots (largest snapshot minimised),
+    capped at one operator per snapshot."""
+    require(isinstance(window, int) and window >= 1,
+            f"window W={window!r} must be an integer >= 1 (checkpoint.window)")
+    specs = _per_gpu_specs(operators, ranks)
+    planned = plan_window(specs, 1.0, _NOTHING_FITS_BYTES, min(window, len(specs)))
+    return _from_runtime(planned, operators, specs)

@@ -1,7 +1,8 @@
 """Reading the ``sim`` config node (``conf/sim/*.yaml``) into validated simulator settings.
 
 :class:`SimSettings` holds what every simulated job shares (precision, replicas, MTBFs,
-run length, popularity skew, failure source, Monte-Carlo size, policy knobs, batch shape);
+run length, popularity skew, failure source, Monte-Carlo size, policy knobs, batch shape,
+calibration constants);
 :func:`model_config` resolves a model given by preset name (``conf/model/<name>.yaml``)
 or inline mapping; :func:`make_job` combines a model, a plan and the settings into a
 :class:`SimJob`. Every bad value raises :class:`ConfigError` naming its ``sim.*`` key.
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
 from lightning_moe_ckpt.models.config import MoEModelConfig
+from lightning_moe_ckpt.sim.calibration import NEUTRAL, Calibration
 from lightning_moe_ckpt.sim.inputs import ClusterSpec, ParallelPlan, parse_precision
 from lightning_moe_ckpt.sim.job import JobSpec, SimJob, build_job
 from lightning_moe_ckpt.sim.policies import PolicySettings, check_policy_names
@@ -28,7 +30,8 @@ from lightning_moe_ckpt.sim.trace import load_failure_trace
 
 _KNOWN_KEYS = {"precision", "replicas", "policies", "mtbf_minutes", "run_hours", "popularity",
                "popularity_seed", "grad_sync_overlap", "restart_s", "profile", "failures",
-               "monte_carlo", "policy", "batch", "models", "plans", "interval_sweep", "scale"}
+               "monte_carlo", "policy", "batch", "models", "plans", "interval_sweep", "scale",
+               "calibration"}
 
 
 def parse_minutes(values: object, key: str) -> tuple[float, ...]:
@@ -67,6 +70,7 @@ class SimSettings:
     mc_seed: int
     policy: PolicySettings
     batch: Mapping[str, Any]
+    calibration: Calibration = NEUTRAL
 
     @classmethod
     def from_mapping(cls, sim: Mapping[str, Any], key: str = "sim") -> SimSettings:
@@ -106,7 +110,8 @@ class SimSettings:
             profile=None if profile is None else load_profile(str(profile), f"{key}.profile"),
             trace=trace, mc_runs=runs, mc_seed=seed,
             policy=PolicySettings.from_mapping(sim.get("policy"), f"{key}.policy"),
-            batch=dict(sim.get("batch") or {}))
+            batch=dict(sim.get("batch") or {}),
+            calibration=Calibration.from_mapping(sim.get("calibration"), f"{key}.calibration"))
 
 
 def model_config(spec: str | Mapping[str, Any], conf_dir: Path, key: str) -> MoEModelConfig:
@@ -136,5 +141,6 @@ def make_job(model: MoEModelConfig, plan_values: Mapping[str, Any], settings: Si
                    replicas=settings.replicas, popularity_alpha=alpha,
                    popularity_seed=settings.popularity_seed,
                    grad_sync_overlap=settings.grad_sync_overlap, restart_s=settings.restart_s,
-                   profile=settings.profile if use_profile else None, key=key)
+                   profile=settings.profile if use_profile else None,
+                   calibration=settings.calibration, key=key)
     return build_job(spec)
