@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from tqdm.auto import tqdm
 from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
+from lightning_moe_ckpt.parallel.engine import DistributedExecutor
 from lightning_moe_ckpt.recovery.faults import has_real_faults, schedule_from_config
 from lightning_moe_ckpt.recovery.real_failures import PeerFailureHandler
 from lightning_moe_ckpt.recovery.rendezvous import JobStore, supervised
@@ -101,9 +101,8 @@ def _strategy_args(settings: RunSettings) -> dict[str, Any]:
     plan = settings.layout
     args: dict[str, Any] = {"pp": plan.pp, "dp": plan.dp, "ep": plan.ep,
                             "schedule": plan.schedule,
-                            "process_group_backend": settings.hardware.backend}
-    if supervised():  # collectives give up on a dead peer in time
-        args["timeout"] = timedelta(seconds=settings.recovery.timeout_s)
+                            "process_group_backend": settings.hardware.backend,
+                            "recovery_timeout_s": settings.recovery.timeout_s}
     return args
 
 
@@ -113,7 +112,7 @@ def _csv_logger(settings: RunSettings) -> CSVLogger:
 
 def _job_store(settings: RunSettings) -> JobStore | None:
     """This worker's handle on the supervised job (``None`` when not supervised)."""
-    return JobStore.from_env(timeout=timedelta(seconds=settings.recovery.timeout_s))
+    return JobStore.from_env(settings.recovery.timeout_s)
 
 
 def _needs_supervisor(settings: RunSettings) -> bool:
@@ -237,7 +236,14 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
             strategy.core.reform(engine, fabric.device)
             coordinator.reform_replication()
 
-        handler = PeerFailureHandler(job, engine, coordinator, reform_groups,
+        def warm_up() -> None:
+            executor = engine.executor
+            assert isinstance(executor, DistributedExecutor)
+            executor.warm_up(settings.global_batch // (settings.layout.microbatches
+                                                       * settings.layout.data_shards),
+                             settings.data.seq_len)
+
+        handler = PeerFailureHandler(job, engine, coordinator, reform_groups, warm_up,
                                      dist.get_backend(), checkpointing.upstream_log)
         engine.hooks.insert(0, handler)  # heartbeat and generation check come first
         if job.replaces is not None:

@@ -113,6 +113,20 @@ class DistributedExecutor:
             tokens = targets.numel()
         return loss_sum / microbatches, tokens
 
+    def warm_up(self, micro_batch: int, seq_len: int) -> None:
+        """One training-mode forward/backward of zero tokens on every rank, its gradients
+        and statistics dropped: a freshly built pipeline schedule exchanges its start-up
+        messages with its neighbours here, together, and not later in a localized replay
+        where the neighbours are paused (collective)."""
+        if self.runner is None:
+            return
+        device = next(self.model.parameters()).device
+        shape = (self.plan.microbatches, micro_batch, seq_len)
+        tokens = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.runner.run(-1, tokens, tokens)  # iteration -1: the boundary hooks stay silent
+        self.model.zero_grad(set_to_none=True)
+        self.model.reset_stats()
+
     def reduce_gradients(self, grads: Mapping[str, torch.Tensor]) -> None:
         shards = self.plan.data_shards
         if shards == 1 or not grads:

@@ -21,6 +21,8 @@ joins the recovery as the failed rank: its window comes from its replica peers.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from lightning_moe_ckpt.training.engine import TrainingEngine
 
 _POLL_S = 0.05
 Reform = Callable[[], None]  # rebuild the mesh, executor and replication groups
+WarmUp = Callable[[], None]  # a collective first pass through the rebuilt pipeline
 
 
 @dataclass
@@ -48,6 +51,7 @@ class PeerFailureHandler(StepHooks):
     engine: TrainingEngine
     coordinator: CheckpointCoordinator
     reform_groups: Reform
+    warm_up: WarmUp
     backend: str
     upstream_log: UpstreamLog | None = None
     durable: DurableFallback | None = None
@@ -84,11 +88,16 @@ class PeerFailureHandler(StepHooks):
         detected = time.perf_counter()
         with self.job.busy():
             generation = self.job.current_generation() if not replacing else self.job.generation
+            role = "replacement" if replacing else "survivor"
+            print(f"rank {self.job.rank} ({role}, pid {os.getpid()}): recovering into "
+                  f"generation {generation} at step {self.engine.step}", file=sys.stderr,
+                  flush=True)
             self.coordinator.snapshots.wait_copies()  # issued copies finish (survivor)
             self.engine.optimizer.zero_grad()  # the aborted iteration's partial gradients
             if not replacing:
                 self.job.join(generation, self.backend)
                 self.reform_groups()
+            self.warm_up()  # in the order a fresh process reaches it: after all groups
             reformed = time.perf_counter()
             dead = set(self.job.failed_ranks(generation))
             steps: list[Any] = [None] * dist.get_world_size()

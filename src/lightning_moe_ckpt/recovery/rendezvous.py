@@ -13,17 +13,24 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import PrefixStore, TCPStore, distributed_c10d
 
-from lightning_moe_ckpt.recovery.supervisor import ENV_GENERATION, ENV_REPLACES, ENV_STORE
+from lightning_moe_ckpt.recovery.supervisor import (
+    ENV_GENERATION,
+    ENV_REPLACES,
+    ENV_STORE,
+    heartbeat_key,
+)
 
 _BUSY_BEAT_S = 0.5
+_ARRIVAL_POLL_S = 0.05
 
 
 def _client(address: str, timeout: timedelta) -> TCPStore:
@@ -46,18 +53,27 @@ class JobStore:
     world_size: int
     generation: int  # the generation this process's process groups belong to
     replaces: int | None  # the generation a replacement joins (None: an original worker)
-    timeout: timedelta
+    timeout: timedelta  # store operations and the rendezvous of a new generation
+    collective_timeout: timedelta  # a collective stuck on a dead peer errors after this
 
     @classmethod
-    def from_env(cls, timeout: timedelta = timedelta(seconds=300)) -> JobStore | None:
-        """The job store when this process runs under the supervisor, else ``None``."""
+    def from_env(cls, timeout_s: float = 60.0) -> JobStore | None:
+        """The job store when this process runs under the supervisor, else ``None``.
+
+        ``timeout_s`` is ``recovery.timeout_s``, the supervisor's hang timeout. Collectives
+        give up after a third of it, so a survivor blocked on a dead peer notices (and
+        keeps its heartbeat while it recovers) well before it could be taken for hung; a
+        new generation's rendezvous waits three times as long, for a replacement to start.
+        """
         address = os.environ.get(ENV_STORE)
         if address is None:
             return None
         replaces = os.environ.get(ENV_REPLACES)
+        timeout = timedelta(seconds=3 * timeout_s)
         return cls(_client(address, timeout), address, int(os.environ["RANK"]),
                    int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")),
-                   None if replaces is None else int(replaces), timeout)
+                   None if replaces is None else int(replaces), timeout,
+                   timedelta(seconds=timeout_s / 3))
 
     def current_generation(self) -> int:
         """The newest generation the supervisor opened."""
@@ -69,15 +85,29 @@ class JobStore:
 
     def heartbeat(self) -> None:
         """Progress: this worker is about to run another iteration."""
-        self.store.add(f"hb/{self.rank}", 1)
+        self.store.add(heartbeat_key(self.rank, os.getpid()), 1)
 
     def join(self, generation: int, backend: str) -> None:
-        """Form the default process group of ``generation`` (collective over the world)."""
+        """Form the default process group of ``generation`` (collective over the world).
+
+        Everyone first arrives on the store (waiting as long as a replacement may take to
+        start); the groups are then formed with the short collective timeout, which also
+        bounds a point-to-point receive from a peer that died (gloo takes it from the
+        group's creation), so every group built in this process gets it."""
         if dist.is_initialized():
             dist.destroy_process_group()
-        store = PrefixStore(f"gen{generation}/", self.store)
-        dist.init_process_group(backend, store=store, rank=self.rank,
-                                world_size=self.world_size, timeout=self.timeout)
+        arrived = f"gen{generation}/arrived"
+        self.store.add(arrived, 1)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while int(self.store.add(arrived, 0)) < self.world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: not every rank joined generation "
+                                   f"{generation} within {self.timeout.total_seconds():.0f} s")
+            time.sleep(_ARRIVAL_POLL_S)
+        distributed_c10d.default_pg_timeout = self.collective_timeout  # new_group's default
+        dist.init_process_group(backend, store=PrefixStore(f"gen{generation}/", self.store),
+                                rank=self.rank, world_size=self.world_size,
+                                timeout=self.collective_timeout)
         self.generation = generation
 
     @contextmanager
@@ -86,9 +116,11 @@ class JobStore:
         stop = threading.Event()
         store = _client(self.address, self.timeout)  # its own connection: thread-safe
 
+        key = heartbeat_key(self.rank, os.getpid())
+
         def beat() -> None:
             while not stop.wait(_BUSY_BEAT_S):
-                store.add(f"hb/{self.rank}", 1)
+                store.add(key, 1)
 
         thread = threading.Thread(target=beat, name="recovery-heartbeat", daemon=True)
         thread.start()

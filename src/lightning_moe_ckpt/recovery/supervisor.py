@@ -40,6 +40,11 @@ ENV_STORE = "MOE_STORE"  # host:port of the supervisor's store
 POLL_S = 0.05
 
 
+def heartbeat_key(rank: int, pid: int) -> str:
+    """The store counter a worker process bumps (per process: a replacement starts anew)."""
+    return f"hb/{rank}/{pid}"
+
+
 @dataclass
 class Replacement:
     """One failure and what replaced it."""
@@ -88,7 +93,7 @@ class Supervisor:
                         done.add(rank)
                     elif code is not None:
                         failed[rank] = f"exit {code}"
-                    elif self._hung(store, rank, beats):
+                    elif self._hung(store, rank, process.pid, beats):
                         os.kill(process.pid, signal.SIGKILL)  # a hang becomes a death
                         process.wait()
                         failed[rank] = "hang"
@@ -102,6 +107,9 @@ class Supervisor:
                           "the job stops", file=sys.stderr, flush=True)
                     return 1
                 generation += 1
+                for rank, cause in sorted(failed.items()):
+                    print(f"supervisor: rank {rank} (pid {workers[rank].pid}) failed: {cause}; "
+                          f"opening generation {generation}", file=sys.stderr, flush=True)
                 store.set(f"failed/{generation}", json.dumps(sorted(failed)))
                 store.set("generation", str(generation))
                 for rank, cause in sorted(failed.items()):
@@ -127,8 +135,9 @@ class Supervisor:
             env[ENV_REPLACES] = str(replaces)
         return subprocess.Popen(list(self.command), env=env)
 
-    def _hung(self, store: TCPStore, rank: int, beats: dict[int, tuple[int, float]]) -> bool:
-        count = int(store.add(f"hb/{rank}", 0))
+    def _hung(self, store: TCPStore, rank: int, pid: int,
+              beats: dict[int, tuple[int, float]]) -> bool:
+        count = int(store.add(heartbeat_key(rank, pid), 0))
         last, since = beats[rank]
         now = time.monotonic()
         if count != last:

@@ -39,7 +39,7 @@ def connect(strategy: Any) -> None:
     backend = (strategy._process_group_backend
                or _get_default_process_group_backend_for_device(strategy.root_device))
     assert strategy.cluster_environment is not None
-    job = JobStore.from_env()
+    job = JobStore.from_env(strategy.recovery_timeout_s)
     if job is not None:
         job.join(job.replaces if job.replaces is not None else job.generation, backend)
     else:

@@ -47,12 +47,15 @@ class MoEParallelStrategy(ParallelStrategy):
 
     def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
                  schedule: str = "1f1b", process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout,
+                 recovery_timeout_s: float = 60.0) -> None:
         super().__init__()
         self.core = MoEParallelCore(pp, dp, ep, schedule)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        # Under the supervisor: the hang timeout the collective timeout is derived from.
+        self.recovery_timeout_s = recovery_timeout_s
 
     @property
     @override
