@@ -140,6 +140,7 @@ def _supervise(settings: RunSettings) -> dict[str, Any]:
         raise SystemExit(code)
     metrics: dict[str, Any] = json.loads(path.read_text())
     metrics["replacements"] = report_of(supervisor.replacements)
+    metrics["worker_pids"] = {str(rank): pids for rank, pids in supervisor.pids.items()}
     path.write_text(json.dumps(metrics, indent=2))
     for r in supervisor.replacements:
         print(f"  generation {r.generation}: rank {r.rank} ({r.cause}) pid {r.dead_pid} "

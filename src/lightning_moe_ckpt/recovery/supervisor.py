@@ -67,6 +67,7 @@ class Supervisor:
     max_restarts: int = 3
     env: dict[str, str] = field(default_factory=dict)
     replacements: list[Replacement] = field(default_factory=list)
+    pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
 
     def run(self) -> int:
         """Supervise until every worker finished (0) or the job cannot go on (1)."""
@@ -78,6 +79,7 @@ class Supervisor:
                 "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(self.world_size),
                 "NODE_RANK": "0"}
         workers = {rank: self._start(base, rank, 0, None) for rank in range(self.world_size)}
+        self.pids = {rank: [process.pid] for rank, process in workers.items()}
         beats = {rank: (-1, time.monotonic()) for rank in workers}
         done: set[int] = set()
         generation = 0
@@ -115,6 +117,7 @@ class Supervisor:
                 for rank, cause in sorted(failed.items()):
                     dead = workers[rank].pid
                     workers[rank] = self._start(base, rank, generation, generation)
+                    self.pids[rank].append(workers[rank].pid)
                     beats[rank] = (-1, time.monotonic())
                     self.replacements.append(Replacement(
                         rank, generation, dead, workers[rank].pid, cause,
