@@ -144,11 +144,13 @@ def simulate_command(settings: RunSettings, hardware: str, profile: Path, mtbf_s
                      run_s: float) -> str:
     """The ``recipes/simulate.py`` invocation calibrated with the written profile, at the
     measured MTBF and run length (the simulator's own policy planning, not the knobs of
-    these runs)."""
+    these runs). ``~sim.calibration`` drops the constants fitted to the paper's A100
+    cluster: this job's measured profile calibrates the simulator instead, and the measured
+    comparison assumes the neutral model (line-rate copies, no interference, no restart)."""
     name = settings.model.name
     plan = ", ".join(f"{k}: {v}" for k, v in sim_plan(settings).items())
     return (f"python recipes/simulate.py hardware={hardware} sim.precision={settings.precision} "
             f"sim.replicas={min(2, settings.layout.world_size - 1)} sim.models=[{name}] "
             f"'+sim.plans.{name}={{{plan}}}' sim.profile={profile} "
             f"sim.interval_sweep.model={name} sim.mtbf_minutes=[{mtbf_s / 60:.4g}] "
-            f"sim.run_hours={run_s / 3600:.4g} '~sim/scale'")
+            f"sim.run_hours={run_s / 3600:.4g} '~sim/scale' '~sim.calibration'")

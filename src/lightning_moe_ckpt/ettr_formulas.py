@@ -3,9 +3,12 @@
 A leaf module (numpy and the library's error type only, nothing from the runtime or
 :mod:`lightning_moe_ckpt.sim`): the
 runtime's Gemini planner and the simulator's policies score and choose intervals with the
-same two functions. :func:`ettr_formula` is the paper's §2.4 / Appendix C approximation
+same functions. :func:`ettr_formula` is the paper's §2.4 / Appendix C approximation
 ``1 / (1 + T_ckpt / (T_iter k)) x 1 / (1 + E[R] / MTBF)``; :func:`oracle_interval` is
-Gemini's hindsight choice, the interval with the highest ETTR (MoEvement §5.2).
+Gemini's hindsight choice, the interval with the highest ETTR (MoEvement §5.2);
+:func:`smallest_interval_within` is CheckFreq's policy, the shortest interval whose
+runtime overhead stays within a cap (3% in MoEvement §5.2), used by the runtime's
+CheckFreq planner and the simulator's CheckFreq alike.
 """
 
 from __future__ import annotations
@@ -37,3 +40,28 @@ def oracle_interval(ettr_of: Callable[[np.ndarray], np.ndarray],
     values = np.asarray(ettr_of(intervals), dtype=float)
     best = int(np.argmax(values))  # first maximum: the shortest interval
     return int(intervals[best]), float(values[best])
+
+
+def smallest_interval_within(overhead_of: Callable[[int], float], max_overhead: float,
+                             max_interval: int | None = None) -> int:
+    """CheckFreq's rule: the smallest interval ``k >= 1`` whose runtime overhead
+    ``overhead_of(k)`` is at most ``max_overhead``, or ``max_interval`` when no interval up
+    to it is. ``overhead_of`` must not increase with ``k`` (the search bisects); without
+    ``max_interval`` it must reach ``max_overhead`` at some ``k``."""
+    require(max_overhead > 0 or max_interval is not None,
+            f"max_overhead={max_overhead} must be > 0 without a max_interval")
+    require(max_interval is None or max_interval >= 1,
+            f"max_interval={max_interval} must be >= 1")
+    low, high = 1, 1  # every k < low is over the cap
+    while overhead_of(high) > max_overhead:
+        if max_interval is not None and high >= max_interval:
+            return max_interval
+        low = high + 1
+        high = 2 * high if max_interval is None else min(2 * high, max_interval)
+    while low < high:  # overhead_of(high) is within the cap
+        middle = (low + high) // 2
+        if overhead_of(middle) <= max_overhead:
+            high = middle
+        else:
+            low = middle + 1
+    return high

@@ -10,7 +10,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.ettr_formulas import ettr_formula, oracle_interval
+from lightning_moe_ckpt.ettr_formulas import (
+    ettr_formula,
+    oracle_interval,
+    smallest_interval_within,
+)
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim import (
     ClusterSpec,
@@ -74,6 +78,22 @@ def test_oracle_finds_argmax_and_prefers_shorter_on_ties() -> None:
     assert oracle_interval(lambda n: np.ones(n.shape), 100) == (1, 1.0)
     with pytest.raises(ConfigError, match="max_interval"):
         oracle_interval(lambda n: n, 0)
+
+
+def test_checkfreq_rule_on_hand_checked_overheads() -> None:
+    # 0.15 s of stall per checkpoint on a 1 s iteration: 0.15/k <= 0.03 first at k = 5.
+    assert smallest_interval_within(lambda k: 0.15 / k, 0.03) == 5
+    # 1.0/k <= 0.03 first at k = 34 (1/33 = 0.0303 is over); capped at 20 it is 20.
+    assert smallest_interval_within(lambda k: 1.0 / k, 0.03) == 34
+    assert smallest_interval_within(lambda k: 1.0 / k, 0.03, max_interval=20) == 20
+    assert smallest_interval_within(lambda k: 1.0 / k, 0.03, max_interval=34) == 34
+    # A persist wait of 6 - k s (gone from k = 6 on) plus 0.01 amortised: 6 (0.01/6 < 0.03).
+    assert smallest_interval_within(lambda k: max(0.0, 6.0 - k) + 0.01 / k, 0.03) == 6
+    assert smallest_interval_within(lambda k: 0.0, 0.03) == 1
+    with pytest.raises(ConfigError, match="max_overhead"):
+        smallest_interval_within(lambda k: 1.0 / k, 0.0)
+    with pytest.raises(ConfigError, match="max_interval"):
+        smallest_interval_within(lambda k: 1.0 / k, 0.03, max_interval=0)
 
 
 @pytest.mark.parametrize("mtbf_minutes", [120, 30, 10])

@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_moe_ckpt.checkpoint.planners import BasePlanner, CapturePlan
 from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
-from lightning_moe_ckpt.ettr_formulas import ettr_formula
+from lightning_moe_ckpt.ettr_formulas import ettr_formula, smallest_interval_within
 from lightning_moe_ckpt.ettr_formulas import oracle_interval as sweep
 
 _SWEEP_LIMIT = 1_000_000  # intervals beyond this many iterations are never useful
@@ -62,17 +62,12 @@ def oracle_interval(mtbf_s: float, iteration_time_s: float, snapshot_time_s: flo
 def checkfreq_interval(iteration_time_s: float, snapshot_time_s: float,
                        max_overhead: float = 0.03, max_interval: int | None = None) -> int:
     """The smallest ``k >= 1`` with ``snapshot_time / (k x iteration_time) <= max_overhead``
-    (capped at ``max_interval``)."""
+    (capped at ``max_interval``): the leaf's :func:`smallest_interval_within`, the rule the
+    simulator's CheckFreq uses too."""
     require(iteration_time_s > 0, f"iteration time {iteration_time_s} s must be > 0")
     require(snapshot_time_s >= 0, f"snapshot time {snapshot_time_s} s must be >= 0")
-    budget = max_overhead * iteration_time_s
-    k = max(1, math.ceil(snapshot_time_s / budget))
-    # ceil of a float ratio can land one off either way; settle on the exact smallest k.
-    while k > 1 and snapshot_time_s / ((k - 1) * iteration_time_s) <= max_overhead:
-        k -= 1
-    while snapshot_time_s / (k * iteration_time_s) > max_overhead:
-        k += 1
-    return k if max_interval is None else min(k, max_interval)
+    return smallest_interval_within(lambda k: snapshot_time_s / (k * iteration_time_s),
+                                    max_overhead, max_interval)
 
 
 class _DensePlanner(BasePlanner):

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_moe_ckpt.ettr_formulas import ettr_formula, oracle_interval
+from lightning_moe_ckpt.ettr_formulas import ettr_formula, oracle_interval, smallest_interval_within
 from lightning_moe_ckpt.sim.job import SimJob
 from lightning_moe_ckpt.sim.recovery import global_rollback
 from lightning_moe_ckpt.sim.regime import Regime, StaticPolicy
@@ -100,15 +100,9 @@ def checkfreq_regime(job: SimJob, interval: int) -> Regime:
 def plan_checkfreq(job: SimJob, max_overhead: float, max_interval: int) -> StaticPolicy:
     """CheckFreq's policy: the shortest interval whose profiled stall stays within
     ``max_overhead`` of the iteration time (the longest searched if none does)."""
-    best = checkfreq_regime(job, max_interval)
     # The stall share only falls as the interval grows (the persist wait shrinks and the
-    # snapshot is amortised), so the first interval within the cap is the answer.
-    low, high = 1, max_interval
-    while low < high:
-        middle = (low + high) // 2
-        if checkfreq_regime(job, middle).stall_overhead <= max_overhead:
-            high = middle
-        else:
-            low = middle + 1
-    regime = checkfreq_regime(job, low)
-    return StaticPolicy("checkfreq", regime if regime.stall_overhead <= max_overhead else best)
+    # snapshot is amortised), so the first interval within the cap is the answer: the
+    # runtime planner's rule (lightning_moe_ckpt.ettr_formulas).
+    interval = smallest_interval_within(
+        lambda k: checkfreq_regime(job, k).stall_overhead, max_overhead, max_interval)
+    return StaticPolicy("checkfreq", checkfreq_regime(job, interval))
