@@ -1,0 +1,64 @@
+"""The supervisor on its own: it replaces a worker that exits or hangs (killing the hung
+one by its pid), gives every replacement the failed rank's identity, and stops with a
+non-zero code once ``max_restarts`` is used up. Workers here are tiny Python commands."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+from lightning_moe_ckpt.recovery.supervisor import Supervisor
+
+# A worker: rank 1 fails in generation 0 as told by argv[1] (exit, or hang after one
+# heartbeat); everyone else, and any replacement, finishes at once.
+WORKER = textwrap.dedent("""
+    import os, sys, time
+    from datetime import timedelta
+    from torch.distributed import TCPStore
+    from lightning_moe_ckpt.recovery.supervisor import heartbeat_key
+    host, port = os.environ["MOE_STORE"].rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    rank = int(os.environ["RANK"])
+    store.add(heartbeat_key(rank, os.getpid()), 1)
+    print(f"worker rank={rank} replaces={os.environ.get('MOE_REPLACES')}", flush=True)
+    if rank == 1 and "MOE_REPLACES" not in os.environ:
+        if sys.argv[1] == "exit":
+            sys.exit(3)
+        time.sleep(600)  # hang: no more heartbeats
+""")
+
+
+def _supervisor(mode: str, max_restarts: int = 3, timeout_s: float = 30.0) -> Supervisor:
+    env = {"PYTHONPATH": os.pathsep.join(sys.path)}
+    return Supervisor([sys.executable, "-c", WORKER, mode], 3, timeout_s, max_restarts, env)
+
+
+def test_exited_worker_is_replaced_with_its_rank() -> None:
+    supervisor = _supervisor("exit")
+    assert supervisor.run() == 0
+    (replacement,) = supervisor.replacements
+    assert (replacement.rank, replacement.generation, replacement.cause) == (1, 1, "exit 3")
+    assert replacement.new_pid != replacement.dead_pid
+    assert supervisor.pids[1] == [replacement.dead_pid, replacement.new_pid]
+    assert len(supervisor.pids[0]) == len(supervisor.pids[2]) == 1  # survivors untouched
+
+
+def test_hung_worker_is_killed_after_the_timeout_and_replaced() -> None:
+    supervisor = _supervisor("hang", timeout_s=10.0)  # exiting workers take seconds here
+    assert supervisor.run() == 0
+    (replacement,) = supervisor.replacements
+    assert (replacement.rank, replacement.cause) == (1, "hang")
+    assert 10.0 <= replacement.detected_s < 120.0
+    try:  # the hung process is gone: killed by its pid
+        os.kill(replacement.dead_pid, 0)
+    except ProcessLookupError:
+        pass
+    else:
+        raise AssertionError(f"hung worker {replacement.dead_pid} is still alive")
+
+
+def test_no_restart_left_stops_the_job() -> None:
+    supervisor = _supervisor("exit", max_restarts=0)
+    assert supervisor.run() == 1
+    assert supervisor.replacements == []
