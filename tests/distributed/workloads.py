@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
+from typing_extensions import override
 
+from lightning_moe_ckpt.checkpoint.planners import BasePlanner
 from lightning_moe_ckpt.data import BatchLayout, SeekableSampler
 from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
 from lightning_moe_ckpt.parallel.engine import build_parallel_engine
@@ -183,7 +185,7 @@ def boundary_hook_check(settings: RunSettings) -> dict[str, Any]:
     return {"ranks": everything}
 
 
-class RoundRobinPlanner:
+class RoundRobinPlanner(BasePlanner):
     """A minimal planner for coordinator tests: window of ``window`` snapshots, operators
     dealt round-robin into the turns."""
 
@@ -192,9 +194,7 @@ class RoundRobinPlanner:
     def __init__(self, names: list[str], window: int) -> None:
         self.names, self.window = names, window
 
-    def observe(self, iteration: int, hard: torch.Tensor, soft: torch.Tensor) -> None:
-        return None
-
+    @override
     def plan(self, iteration: int) -> Any:
         from lightning_moe_ckpt.checkpoint.planners import CapturePlan
 
