@@ -14,8 +14,9 @@ any wait as stall time (invariant 3: the wait is measured, never hidden).
 
 Host buffers come from a pool keyed by (tensor name, shape, dtype): buffers of a freed
 snapshot are reused by the next one with the same layout, so steady-state training
-allocates nothing. Every piece gets a CRC32 checksum, computed on the worker thread after
-its copy completed (off the critical path) and verified on restore.
+allocates nothing. Every piece gets a CRC32C checksum (the SSE4.2/ARMv8 instruction through
+the ``crc32c`` package), computed on the worker thread after its copy completed (off the
+critical path) and verified on restore.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import zlib
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
+import crc32c
 import torch
 
 from lightning_moe_ckpt.operators import OperatorRegistry
@@ -41,14 +42,24 @@ if TYPE_CHECKING:
 PieceKind = Literal["master", "compute"]
 
 
-def tensor_checksum(tensors: dict[str, torch.Tensor]) -> int:
-    """CRC32 over names and raw bytes of ``tensors`` (CPU), in name order."""
+def bytes_checksum(data: bytes | memoryview, crc: int = 0) -> int:
+    """CRC32C of ``data`` continuing from ``crc``; reads in place and releases the GIL."""
+    value: int = crc32c.crc32c(data, crc)
+    return value
+
+
+def tensor_checksum(tensors: Mapping[str, torch.Tensor]) -> int:
+    """CRC32C over names and raw bytes of ``tensors`` (CPU), in name order.
+
+    CRC32C rather than zlib's CRC32: the same guarantee (every single-bit flip and every
+    burst of up to 32 bits changes the value, unlike a hash such as xxh3 that only makes a
+    miss unlikely) at about 3x the speed here, since it runs on the CPU's CRC instruction.
+    """
     crc = 0
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
-        crc = zlib.crc32(name.encode(), crc)
-        # crc32 reads the tensor's memory in place (no copy) and releases the GIL.
-        crc = zlib.crc32(tensor.view(-1).view(torch.uint8).numpy().data, crc)
+        crc = bytes_checksum(name.encode(), crc)
+        crc = bytes_checksum(tensor.view(-1).view(torch.uint8).numpy().data, crc)
     return crc
 
 
