@@ -84,10 +84,12 @@ class CheckpointSettings:
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     from lightning_moe_ckpt.checkpoint.planners import planner_options
+    from lightning_moe_ckpt.training.peers import PEER_OPTIONS, PEER_POLICIES
 
     values = dict(values)
     policy = str(values.pop("policy", "none"))
-    known = planner_options(policy)  # names checkpoint=<policy> when unknown
+    # Names checkpoint=<policy> when unknown.
+    known = PEER_OPTIONS if policy in PEER_POLICIES else planner_options(policy)
     replicas = values.pop("replicas", 2)
     warmup = values.pop("warmup_iterations", 3)
     durable_every = values.pop("durable_every", None)
@@ -203,6 +205,10 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
         require(settings.checkpoint.policy != "none",
                 f"faults={settings.faults['name']} needs a checkpoint policy to recover "
                 "from (checkpoint=none was given)")
+    if settings.checkpoint.policy in ("lightning", "dcp"):
+        require(settings.api == "fabric" and settings.model.family == "builtin",
+                f"checkpoint={settings.checkpoint.policy} runs in the Fabric loop of the "
+                f"built-in model (api={settings.api}, model.family={settings.model.family})")
     require(settings.val_every >= 1, f"trainer.val_every={settings.val_every} must be >= 1")
     require(settings.log_every >= 1, f"trainer.log_every={settings.log_every} must be >= 1")
     return settings
