@@ -11,6 +11,7 @@ writes ``final_state.pt``, ``metrics.json`` and the training plot into ``out_dir
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,17 @@ from lightning_moe_ckpt.training.peers import PEER_POLICIES, PeerCheckpointing
 from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
 from lightning_moe_ckpt.training.telemetry import ValidationMetrics, evaluate, step_log_values
 
+MEMORY_EVERY = 100  # steps between samples of host memory (a /proc read: negligible)
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (0 where ``/proc`` is missing)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
 
 @dataclass
 class TrainedState:
@@ -72,7 +84,12 @@ def _failure_injector(settings: RunSettings,
 
 def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
     checkpoint = settings.checkpoint
-    if checkpoint.policy == "none" or checkpoint.policy in PEER_POLICIES:
+    if checkpoint.policy in PEER_POLICIES:
+        require(settings.api == "fabric" and settings.model.family == "builtin",
+                f"checkpoint={checkpoint.policy} runs in the Fabric loop of the built-in "
+                f"model (api={settings.api}, model.family={settings.model.family})")
+        return None
+    if checkpoint.policy == "none":
         return None
     return SparseCheckpointing(checkpoint.policy, checkpoint.replicas,
                                checkpoint.warmup_iterations, checkpoint.durable_every,
@@ -203,6 +220,10 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
             fabric.log_dict(values, step=done - 1)
             if show:
                 steps.set_postfix(loss=f"{float(result.loss):.3f}")
+        if done % MEMORY_EVERY == 0 or done == settings.max_steps:
+            history.memory.append({"step": done, "rss_bytes": resident_bytes(),
+                                   "checkpoint_host_bytes": 0 if checkpointing is None
+                                   else checkpointing.host_bytes()})
         if done % settings.val_every == 0 or done == settings.max_steps:
             loss, perplexity = evaluate(engine.executor, val, metrics)
             history.validation.append(ValidationRecord(done, loss, perplexity))

@@ -223,6 +223,8 @@ class SnapshotEngine:
         self.interrupted_steps: set[int] = set()  # copies a simulated failure cuts short
         self.stall_s = 0.0
         self.bytes_issued = 0
+        self.pieces_issued = 0
+        self.pieces_checksummed = 0  # written by the worker only
         self.copy_lists: dict[tuple[tuple[str, ...], tuple[str, ...]], CopyList] = {}
         self.copy_list_builds = 0
         self._work: queue.Queue[tuple[Snapshot, list[torch.Tensor],
@@ -269,6 +271,7 @@ class SnapshotEngine:
             pieces[layout.operator] = piece
         snapshot = Snapshot(plan.iteration, self.rank, plan, pieces, metadata)
         self.bytes_issued += snapshot.nbytes
+        self.pieces_issued += len(pieces)
         sources = list(copies.sources)
         if self.stream is not None:
             ready = torch.cuda.Event()
@@ -323,6 +326,7 @@ class SnapshotEngine:
                 for piece in snapshot.pieces.values():
                     piece.checksum = (tensor_checksum(piece.tensors) if piece.buffers is None
                                       else piece.buffers.checksum())
+                self.pieces_checksummed += len(snapshot.pieces)
             snapshot.checksummed.set()
 
 

@@ -205,10 +205,6 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
         require(settings.checkpoint.policy != "none",
                 f"faults={settings.faults['name']} needs a checkpoint policy to recover "
                 "from (checkpoint=none was given)")
-    if settings.checkpoint.policy in ("lightning", "dcp"):
-        require(settings.api == "fabric" and settings.model.family == "builtin",
-                f"checkpoint={settings.checkpoint.policy} runs in the Fabric loop of the "
-                f"built-in model (api={settings.api}, model.family={settings.model.family})")
     require(settings.val_every >= 1, f"trainer.val_every={settings.val_every} must be >= 1")
     require(settings.log_every >= 1, f"trainer.log_every={settings.log_every} must be >= 1")
     return settings
