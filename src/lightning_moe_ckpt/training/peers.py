@@ -95,6 +95,10 @@ class PeerCheckpointing:
         self.mtbf_steps = mtbf_steps
         self.interval: int | None = interval if isinstance(interval, int) else None
         self.io = AsyncCheckpointIO(_CompletionIO()) if policy == "lightning" else None
+        # DCP's async save finishes with collectives from its own thread: on the training
+        # group they would interleave with training's (torchtitan gives it a group too).
+        self.group = (dist.new_group(backend="gloo")
+                      if self.distributed and policy == "dcp" else None)
         self.saves: list[_Save] = []
         self.save_s = 0.0  # wall time of one complete save, measured at step 0
         self.stall_s: list[float] = []  # training-thread time of each periodic save
@@ -127,7 +131,8 @@ class PeerCheckpointing:
         path = self.directory / f"step-{step}"
         # Keys per rank: DCP deduplicates equal keys across ranks, and stage-local names
         # repeat on every pipeline stage.
-        future = dcp.async_save({f"rank{self.rank}": self._state()}, checkpoint_id=path)
+        future = dcp.async_save({f"rank{self.rank}": self._state()}, checkpoint_id=path,
+                                process_group=self.group)
         assert isinstance(future, Future)  # the default (thread) async save
         return _Save(step, path, future.done)
 
@@ -149,16 +154,12 @@ class PeerCheckpointing:
         if step not in self.failure_steps:
             return
         self.failure_steps.discard(step)
-        newest = max((s.step for s in self.saves if s.done()), default=0)
+        newest = self._newest_complete()
         # Saves in flight died with the job; their threads still run here: let them end
         # (not counted) so none writes while the recomputed steps save again.
         while not all(s.done() for s in self.saves):
             time.sleep(0.001)
         started = time.perf_counter()
-        if self.distributed:  # the newest checkpoint every rank completed
-            agreed = torch.tensor([newest])
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-            newest = int(agreed.item())
         self.saves = [s for s in self.saves if s.step <= newest]
         if newest == 0:
             self._load(copy.deepcopy(self._initial))
@@ -166,7 +167,8 @@ class PeerCheckpointing:
             self._load(torch.load(self.directory / f"step-{newest}.ckpt", weights_only=False))
         else:
             state = {f"rank{self.rank}": self._state()}
-            dcp.load(state, checkpoint_id=self.directory / f"step-{newest}")
+            dcp.load(state, checkpoint_id=self.directory / f"step-{newest}",
+                     process_group=self.group)
             self._load(state[f"rank{self.rank}"])
         loaded = time.perf_counter()
         while self.engine.step < step:  # recompute the lost steps
@@ -195,13 +197,21 @@ class PeerCheckpointing:
         self.stall_s.append(time.perf_counter() - started)
         self._prune()
 
+    def _newest_complete(self) -> int:
+        """The newest step whose checkpoint completed on every rank (0: none did).
+        Collective: every rank calls it at the same steps."""
+        newest = max((s.step for s in self.saves if s.done()), default=0)
+        if self.distributed:
+            agreed = torch.tensor([newest])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            newest = int(agreed.item())
+        return newest
+
     def _prune(self) -> None:
-        """Keep the newest complete checkpoint and those in flight, as users keep the
-        latest (``save_top_k``, torchtitan's ``keep_latest_k``): disk and the list stay
-        bounded."""
-        newest = max((s.step for s in self.saves if s.done()), default=None)
-        if newest is None:
-            return
+        """Keep the newest checkpoint complete on every rank and those after it, as users
+        keep the latest (``save_top_k``, torchtitan's ``keep_latest_k``): disk and the
+        list stay bounded."""
+        newest = self._newest_complete()
         for save in [s for s in self.saves if s.step < newest and s.done()]:
             self.saves.remove(save)
             if save.path.is_dir():
