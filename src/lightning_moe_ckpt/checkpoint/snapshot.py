@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
@@ -48,18 +48,23 @@ def bytes_checksum(data: bytes | memoryview, crc: int = 0) -> int:
     return value
 
 
+def names_checksum(names: Iterable[str]) -> int:
+    """CRC32C of tensor names in name order: the start of :func:`tensor_checksum`."""
+    return bytes_checksum(b"\0".join(name.encode() for name in sorted(names)))
+
+
 def tensor_checksum(tensors: Mapping[str, torch.Tensor]) -> int:
-    """CRC32C over names and raw bytes of ``tensors`` (CPU), in name order.
+    """CRC32C over the names of ``tensors`` (CPU), then their raw bytes, in name order.
 
     CRC32C rather than zlib's CRC32: the same guarantee (every single-bit flip and every
     burst of up to 32 bits changes the value, unlike a hash such as xxh3 that only makes a
     miss unlikely) at about 3x the speed here, since it runs on the CPU's CRC instruction.
+    Names first and bytes back to back: a piece whose buffers are one contiguous block is
+    checksummed in one call (:class:`PieceBuffers`).
     """
-    crc = 0
+    crc = names_checksum(tensors)
     for name in sorted(tensors):
-        tensor = tensors[name].contiguous()
-        crc = bytes_checksum(name.encode(), crc)
-        crc = bytes_checksum(tensor.view(-1).view(torch.uint8).numpy().data, crc)
+        crc = bytes_checksum(_raw(tensors[name].contiguous()), crc)
     return crc
 
 
@@ -88,34 +93,53 @@ class PieceLayout:
 
 @dataclass(frozen=True)
 class PieceBuffers:
-    """Host buffers for one piece layout, allocated once and reused through the pool,
-    with what the checksum reads prepared once: each name's bytes and a flat byte view of
-    each buffer (so checksumming a piece costs two C calls per tensor)."""
+    """Host buffers for one piece layout, allocated once and reused through the pool.
+
+    The buffers are views into one block, back to back in name order, whenever each
+    tensor's offset is a multiple of its element size (mixed dtypes may forbid it): the
+    block's bytes are then exactly what :func:`tensor_checksum` reads after the names, so
+    checksumming the piece is one C call that releases the GIL, instead of a Python loop
+    over tensors that would hold it against the training thread.
+    """
 
     key: tuple[Any, ...]
     tensors: dict[str, torch.Tensor]
-    raw: tuple[tuple[bytes, memoryview], ...]
+    raw: tuple[memoryview, ...]  # what the checksum reads after the names, in order
+    names_crc: int
 
     @classmethod
     def allocate(cls, layout: PieceLayout, pin_memory: bool) -> PieceBuffers:
         """Fresh buffers shaped like ``layout``'s sources."""
-        tensors = {name: torch.empty(source.shape, dtype=source.dtype, device="cpu",
-                                     pin_memory=pin_memory)
-                   for name, source in zip(layout.names, layout.sources, strict=True)}
-        raw = tuple((name.encode(), _raw(tensor)) for name, tensor in tensors.items())
-        return cls(layout.key, tensors, raw)
+        offsets, offset = [], 0
+        for source in layout.sources:
+            offsets.append(offset)
+            offset += source.numel() * source.element_size()
+        packed = all(o % s.element_size() == 0
+                     for o, s in zip(offsets, layout.sources, strict=True))
+        if packed:
+            block = torch.empty(offset, dtype=torch.uint8, pin_memory=pin_memory)
+            tensors = {name: block[o:o + s.numel() * s.element_size()].view(s.dtype)
+                       .view(s.shape)
+                       for name, s, o in zip(layout.names, layout.sources, offsets,
+                                             strict=True)}
+            raw: tuple[memoryview, ...] = (_raw(block),)
+        else:
+            tensors = {name: torch.empty(s.shape, dtype=s.dtype, pin_memory=pin_memory)
+                       for name, s in zip(layout.names, layout.sources, strict=True)}
+            raw = tuple(_raw(t) for t in tensors.values())
+        return cls(layout.key, tensors, raw, names_checksum(layout.names))
 
     def checksum(self) -> int:
         """:func:`tensor_checksum` of :attr:`tensors`, from the prepared views."""
-        crc = 0
-        for name, data in self.raw:
-            crc = bytes_checksum(data, bytes_checksum(name, crc))
+        crc = self.names_crc
+        for data in self.raw:
+            crc = bytes_checksum(data, crc)
         return crc
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, in place."""
-    return tensor.view(-1).view(torch.uint8).numpy().data
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 @dataclass
