@@ -32,7 +32,7 @@ from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
 from lightning_moe_ckpt.parallel.engine import DistributedExecutor
 from lightning_moe_ckpt.recovery.faults import has_real_faults, schedule_from_config
 from lightning_moe_ckpt.recovery.real_failures import PeerFailureHandler
-from lightning_moe_ckpt.recovery.rendezvous import JobStore, supervised
+from lightning_moe_ckpt.recovery.rendezvous import JobStore, exit_on_error, supervised
 from lightning_moe_ckpt.recovery.supervisor import Supervisor, report_of
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
 from lightning_moe_ckpt.targets.base import IterationAborted
@@ -292,8 +292,16 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     """Train as the recipe config says and write the run's artifacts on rank 0; returns the
     metrics (empty on other ranks)."""
     settings = settings_from_config(cfg)
-    if _needs_supervisor(settings) and not supervised():
-        return _supervise(settings)
+    if _needs_supervisor(settings):
+        if not supervised():
+            return _supervise(settings)
+        with exit_on_error():
+            return _train_and_write(settings)
+    return _train_and_write(settings)
+
+
+def _train_and_write(settings: RunSettings) -> dict[str, Any]:
+    """Train in this process and write the artifacts on rank 0 (see :func:`run_training`)."""
     data = build_data(settings)
     out_dir = Path(settings.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

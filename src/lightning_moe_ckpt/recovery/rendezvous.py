@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,6 +43,26 @@ def _client(address: str, timeout: timedelta) -> TCPStore:
 def supervised() -> bool:
     """Whether this process is a worker of a supervised job."""
     return ENV_STORE in os.environ
+
+
+@contextmanager
+def exit_on_error() -> Iterator[None]:
+    """Turn an exception escaping a worker into an immediate ``exit 1`` after its traceback.
+
+    A worker that raised still holds process groups whose peers are alive and a heartbeat
+    thread; tearing those down in interpreter finalization can abort the process (SIGABRT,
+    exit -6), which would hide the real cause from the supervisor and the user. The worker
+    holds nothing that must be saved (its peers keep the state), so it leaves at once.
+    """
+    try:
+        yield
+    except BaseException as error:  # noqa: BLE001 - every escape ends the worker the same way
+        if isinstance(error, SystemExit) and error.code in (0, None):
+            raise
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 @dataclass
