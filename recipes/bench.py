@@ -17,6 +17,14 @@
    per step. The profile is written as ``profile.json`` in the format ``sim.profile``
    reads, and the ``recipes/simulate.py`` command that uses it is printed.
 
+**Peers** (``--peers``): what users run instead, ``lightning`` (Lightning's
+``AsyncCheckpointIO``) and ``dcp`` (``torch.distributed.checkpoint.async_save``), each every
+``k`` steps with ``k`` chosen both ways users choose it: ``-cap``, the smallest ``k`` keeping
+the measured save cost within 3% of training time, and ``-oracle``, the best-ETTR ``k`` at
+``--mtbf-steps`` (:mod:`lightning_moe_ckpt.training.peers`); they recover by restarting from
+the newest complete checkpoint and recomputing. They appear in both tables (fault-free runs
+except with ``--quick``).
+
 Writes ``bench.md``, ``bench.json``, ``bench.png`` and ``profile.json`` to ``--out``.
 Extra arguments are Hydra overrides for every run (``parallel.pp=2 model=small``); one
 prefixed with a policy name and a colon goes to that policy's runs only
@@ -55,6 +63,17 @@ from lightning_moe_ckpt.training.settings import RunSettings, settings_from_conf
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("none", "moevement", "gemini", "checkfreq", "moc", "moetion")
 ETTR_POLICIES = ("moevement", "gemini", "moc")
+PEER_GROUPS = ("lightning", "dcp")
+PEERS = tuple(f"{group}-{rule}" for group in PEER_GROUPS for rule in ("cap", "oracle"))
+
+
+def run_spec(label: str, mtbf_steps: float) -> tuple[str, list[str]]:
+    """The checkpoint group and the extra overrides of a run label (a policy, or a peer
+    ``<group>-<rule>``: its ``k`` rule, and the MTBF the oracle plans for)."""
+    if label not in PEERS:
+        return label, []
+    group, rule = label.rsplit("-", 1)
+    return group, [f"checkpoint.interval={rule}", f"checkpoint.mtbf_steps={mtbf_steps}"]
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -66,9 +85,9 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str
     for override in overrides:
         head, sep, rest = override.partition(":")
         if sep and "=" not in head and "." not in head and "/" not in head:
-            if head not in POLICIES:
+            if head not in POLICIES + PEER_GROUPS:
                 raise ConfigError(f"override {override!r} names policy {head!r}; choose one "
-                                  f"of {', '.join(POLICIES)}")
+                                  f"of {', '.join(POLICIES + PEER_GROUPS)}")
             if not rest.lstrip("+~").startswith("checkpoint."):
                 raise ConfigError(f"override {override!r}: a per-policy override may only set "
                                   "checkpoint.* options; give the others to every run")
@@ -121,6 +140,24 @@ def planned_failures(settings: RunSettings) -> list[int]:
     return steps
 
 
+def check_moevement(metrics: dict[str, Any], key: str) -> None:
+    """Refuse a moevement run that bought its speed with protection: every window must
+    capture every operator exactly once, every piece must be checksummed and, with
+    replica peers, every snapshot replicated (counted by the run, in ``metrics.json``)."""
+    problems = []
+    if metrics["windows_not_covered"] or not metrics["windows_covered"]:
+        problems.append(f"{metrics['windows_not_covered']} window(s) without every operator "
+                        f"captured once ({metrics['windows_covered']} covered)")
+    if metrics["pieces_checksummed"] != metrics["pieces_issued"]:
+        problems.append(f"{metrics['pieces_checksummed']} of {metrics['pieces_issued']} "
+                        "pieces checksummed")
+    if metrics["replica_peers"] and metrics["snapshots_replicated"] != metrics["snapshots_taken"]:
+        problems.append(f"{metrics['snapshots_replicated']} of {metrics['snapshots_taken']} "
+                        "snapshots replicated")
+    if problems:
+        raise RuntimeError(f"{key}: " + "; ".join(problems))
+
+
 def summarise(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per fault-free policy run, ratios against ``none``."""
     baseline = results["none"]["iteration_ms"]["median"]
@@ -129,6 +166,7 @@ def summarise(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         median = metrics["iteration_ms"]["median"]
         rows.append({
             "policy": policy,
+            "interval": metrics.get("interval"),
             "iteration_ms": median,
             "vs_none": median / baseline,
             "stall_ms_total": metrics.get("stall_ms", 0.0),
@@ -144,13 +182,37 @@ def summarise(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The fault-free overhead table."""
     lines = ["| policy | iteration ms (median) | vs none | stall ms (total) | overhead % "
-             "| snapshot MiB/iter | W | host MiB |", "|---|---|---|---|---|---|---|---|"]
+             "| snapshot MiB/iter | W | k | host MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['policy']} | {row['iteration_ms']:.1f} | {row['vs_none']:.3f} "
                      f"| {row['stall_ms_total']:.1f} | {row['overhead_pct']:.2f} "
                      f"| {row['snapshot_mb_per_iter']:.2f} | {row['window'] or '-'} "
-                     f"| {row['host_mb']:.1f} |")
+                     f"| {row.get('interval') or '-'} | {row['host_mb']:.1f} |")
     return lines
+
+
+def memory_section(metrics: dict[str, Any], steps: int) -> tuple[list[str], dict[str, Any]]:
+    """Host memory of a long moevement run: the samples, and growth from the first
+    sample (start-up done) to the last."""
+    samples = metrics.get("memory") or []
+    if len(samples) < 2:
+        raise ConfigError(f"--memory-steps={steps} gives fewer than two memory samples; "
+                          "use at least 200")
+    first, last = samples[0], samples[-1]
+    mib = 2**20
+    summary = {"steps": steps, "samples": samples,
+               "rss_growth_mb": (last["rss_bytes"] - first["rss_bytes"]) / mib,
+               "checkpoint_host_mb_max": max(s["checkpoint_host_bytes"] for s in samples) / mib,
+               "checkpoint_host_growth_mb": (last["checkpoint_host_bytes"]
+                                             - first["checkpoint_host_bytes"]) / mib}
+    lines = [f"Host memory, moevement, {steps} steps (sampled every 100):", "",
+             "| step | RSS MiB | checkpointing host MiB |", "|---|---|---|",
+             *(f"| {s['step']} | {s['rss_bytes'] / mib:.1f} "
+               f"| {s['checkpoint_host_bytes'] / mib:.2f} |" for s in samples),
+             "", f"Growth from step {first['step']} to {last['step']}: RSS "
+                 f"{summary['rss_growth_mb']:+.1f} MiB, checkpointing "
+                 f"{summary['checkpoint_host_growth_mb']:+.2f} MiB."]
+    return lines, summary
 
 
 def plot(rows: list[dict[str, Any]], ettr_rows: list[dict[str, Any]], path: Path) -> None:
@@ -189,6 +251,13 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
                              "none)")
     parser.add_argument("--ettr-policies", nargs="*", default=list(ETTR_POLICIES),
                         choices=POLICIES[1:], help="runs with failures (none: skip)")
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,
+                        help="user checkpointing to compare with, <lightning|dcp>-<cap|oracle> "
+                             "(default: all; none: skip)")
+    parser.add_argument("--memory-steps", type=int, default=0,
+                        help="also train moevement fault-free this long (e.g. 2000) and report "
+                             "host memory over the run: RSS and checkpointing's own bytes "
+                             "(default 0: skip)")
     parser.add_argument("--mtbf-steps", type=float, default=None,
                         help="mean steps between failures (default 10; --quick 3)")
     parser.add_argument("--fault-seed", type=int, default=None,
@@ -212,20 +281,24 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         raise ConfigError(f"--steps={args.steps} must be >= 1")
     if not args.mtbf_steps > 0:
         raise ConfigError(f"--mtbf-steps={args.mtbf_steps} must be > 0")
+    if args.memory_steps < 0:
+        raise ConfigError(f"--memory-steps={args.memory_steps} must be >= 0")
     if args.mc_runs < 2:
         raise ConfigError(f"--mc-runs={args.mc_runs} must be >= 2")
     return args, overrides
 
 
-def run_all(policies: list[str], out: Path, steps: int, common: list[str],
+def run_all(labels: list[str], out: Path, steps: int, common: list[str],
             per_policy: dict[str, list[str]], extra: list[str], suffix: str,
-            threads: int | None) -> dict[str, dict[str, Any]]:
-    """Train each policy in turn (``extra`` overrides, ``out/<policy><suffix>``)."""
+            threads: int | None, mtbf_steps: float) -> dict[str, dict[str, Any]]:
+    """Train each policy or peer in turn (``extra`` overrides, ``out/<label><suffix>``)."""
     results = {}
-    for policy in policies:
-        print(f"running checkpoint={policy} {' '.join(extra)} ...", flush=True)
-        results[policy] = run_policy(policy, out / f"{policy}{suffix}", steps,
-                                     [*common, *per_policy.get(policy, []), *extra], threads)
+    for label in labels:
+        group, own = run_spec(label, mtbf_steps)
+        print(f"running checkpoint={group} {' '.join([*own, *extra])} ...", flush=True)
+        results[label] = run_policy(group, out / f"{label}{suffix}", steps,
+                                    [*common, *per_policy.get(group, []), *own, *extra],
+                                    threads)
     return results
 
 
@@ -255,21 +328,33 @@ def main() -> None:
     args, overrides = parse_args()
     common, per_policy = split_overrides(overrides)
     faults = fault_overrides(args.mtbf_steps, args.fault_seed)
-    configs = {p: compose_train(p, args.steps, [*common, *per_policy.get(p, []), *faults])
-               for p in args.ettr_policies}  # composed first: bad overrides fail before runs
+    configs = {}
+    for label in [*args.ettr_policies, *(args.peers if args.ettr_policies else [])]:
+        group, own = run_spec(label, args.mtbf_steps)
+        configs[label] = compose_train(group, args.steps,  # first: bad overrides fail early
+                                       [*common, *per_policy.get(group, []), *own, *faults])
     schedules = {p: planned_failures(settings_from_config(c)) for p, c in configs.items()}
     if configs:
         print(f"failures before steps {next(iter(schedules.values()))}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = run_all(["none", *[p for p in args.policies if p != "none"]], args.out,
-                      args.steps, common, per_policy, [], "", args.threads)
+    fault_free = ["none", *[p for p in args.policies if p != "none"],
+                  *([] if args.quick else args.peers)]
+    results = run_all(fault_free, args.out, args.steps, common, per_policy, [], "",
+                      args.threads, args.mtbf_steps)
+    if "moevement" in results:
+        check_moevement(results["moevement"], "moevement (fault-free)")
     faulty = run_all(list(configs), args.out, args.steps, common, per_policy, faults, "-mtbf",
-                     args.threads)
+                     args.threads, args.mtbf_steps)
     rows = summarise(results)
     command = " ".join(["python recipes/bench.py", *sys.argv[1:]])
     lines = [f"`{command}`", "", "Fault-free:", "", *overhead_markdown(rows)]
     report: dict[str, Any] = {"command": command, "steps": args.steps, "overhead": rows}
     ettr_rows: list[dict[str, Any]] = []
+    if args.memory_steps:
+        long = run_policy("moevement", args.out / "moevement-memory", args.memory_steps,
+                          common, args.threads)
+        memory_lines, report["memory"] = memory_section(long, args.memory_steps)
+        lines += ["", *memory_lines]
     if configs:
         ettr_rows, extra = ettr_section(args, configs, results["none"], faulty, common)
         lines += ["", f"With failures (faults=mtbf, MTBF {args.mtbf_steps:g} steps, the same "

@@ -29,6 +29,7 @@ from lightning_moe_ckpt.sim.measured import (
     useful_seconds,
 )
 from lightning_moe_ckpt.sim.profile import MeasuredProfile, profile_document, write_profile
+from lightning_moe_ckpt.training.peers import PEER_POLICIES
 from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
 from lightning_moe_ckpt.training.stage_profile import measure_compute
 
@@ -90,7 +91,10 @@ def ettr_row(policy: str, cfg: DictConfig, metrics: dict[str, Any], baseline: di
     useful = useful_seconds(baseline, "none")
     measured = measure_ettr(run, useful)
     job = sim_job(cfg, settings, profile)
-    policy_model = plan_measured(policy, job, knobs_of(settings, metrics),
+    # A peer (a dense checkpoint to disk every k steps, restart from the newest) is what
+    # the simulator models as CheckFreq's regime at that k.
+    modelled = "checkfreq" if settings.checkpoint.policy in PEER_POLICIES else policy
+    policy_model = plan_measured(modelled, job, knobs_of(settings, metrics),
                                  mtbf_steps * run.work_s / run.steps, run.loop_s)
     predicted = predict(policy_model, run, useful, mtbf_steps, mc_runs,
                         np.random.default_rng(0))
@@ -121,16 +125,17 @@ def ettr_row(policy: str, cfg: DictConfig, metrics: dict[str, Any], baseline: di
 
 def ettr_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The measured-vs-predicted ETTR table."""
-    lines = ["| policy | failures | replayed iters | recovery s/failure (measured / sim) "
+    lines = ["| policy | k or W | failures | replayed iters | recovery s/failure (measured / sim) "
              "| overhead % (measured / sim) | ETTR measured | sim, same failures (gap) "
              "| sim, analytic (gap) | sim MC p5-p95 | loss = fault-free |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         exact = "yes" if r["loss_exact"] else ("no" if r["loss_finite"] else "no (NaN)")
         if r["lost_tokens"]:
             exact += f", {r['lost_token_pct']:.2f}% tokens lost"
         lines.append(
-            f"| {r['policy']} | {r['failures']} | {r['iterations_replayed']} "
+            f"| {r['policy']} | {r['interval'] or r['window'] or '-'} | {r['failures']} "
+            f"| {r['iterations_replayed']} "
             f"| {r['recovery_s_measured']:.3f} / {r['recovery_s_predicted']:.3f} "
             f"| {r['overhead_pct_measured']:.1f} / {r['overhead_pct_modelled']:.1f} "
             f"| {r['ettr_measured']:.3f} "

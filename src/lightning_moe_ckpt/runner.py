@@ -12,6 +12,7 @@ writes ``final_state.pt``, ``metrics.json`` and the training plot into ``out_dir
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +51,20 @@ from lightning_moe_ckpt.training.outputs import (
     target_state,
     write_metrics,
 )
+from lightning_moe_ckpt.training.peers import PEER_POLICIES, PeerCheckpointing
 from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
 from lightning_moe_ckpt.training.telemetry import ValidationMetrics, evaluate, step_log_values
+
+MEMORY_EVERY = 100  # steps between samples of host memory (a /proc read: negligible)
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (0 where ``/proc`` is missing)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -65,6 +78,7 @@ class TrainedState:
     strategy_core: Any = None
     checkpointing: SparseCheckpointing | None = None
     injector: FailureInjector | None = None
+    peer: PeerCheckpointing | None = None
 
 
 def _failure_injector(settings: RunSettings,
@@ -78,6 +92,11 @@ def _failure_injector(settings: RunSettings,
 
 def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
     checkpoint = settings.checkpoint
+    if checkpoint.policy in PEER_POLICIES:
+        require(settings.api == "fabric" and settings.model.family == "builtin",
+                f"checkpoint={checkpoint.policy} runs in the Fabric loop of the built-in "
+                f"model (api={settings.api}, model.family={settings.model.family})")
+        return None
     if checkpoint.policy == "none":
         return None
     return SparseCheckpointing(checkpoint.policy, checkpoint.replicas,
@@ -251,6 +270,7 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
             handler.join_as_replacement()
             if injector is not None:  # this rank's own fault is behind it
                 injector.real_from = engine.step + 1
+    peer = _peer_checkpointing(settings, engine, fabric.global_rank, fabric.world_size)
     layer_ids = list(range(settings.model.n_layers))
     metrics = ValidationMetrics()
     train = IterationDataset(data.train, settings.max_steps, shard=shard)
@@ -261,6 +281,8 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
         step = engine.step
         batch = train[step]
         history.start_iteration()
+        if peer is not None:
+            peer.before_iteration(step)
         try:
             result = engine.train_iteration(batch["inputs"], batch["targets"],
                                             fabric.backward, wrapped_optimizer.step)
@@ -268,6 +290,8 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
             continue
         history.record(result)
         steps.update(1)
+        if peer is not None:
+            peer.after_iteration(history.iteration_seconds[-1])
         done = step + 1
         if done % settings.log_every == 0:
             values: dict[str, Any] = dict(step_log_values(result, layer_ids))
@@ -276,16 +300,43 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
             fabric.log_dict(values, step=done - 1)
             if show:
                 steps.set_postfix(loss=f"{float(result.loss):.3f}")
+        if done % MEMORY_EVERY == 0 or done == settings.max_steps:
+            history.memory.append({"step": done, "rss_bytes": resident_bytes(),
+                                   "checkpoint_host_bytes": 0 if checkpointing is None
+                                   else checkpointing.host_bytes()})
         if done % settings.val_every == 0 or done == settings.max_steps:
             loss, perplexity = evaluate(engine.executor, val, metrics)
             history.validation.append(ValidationRecord(done, loss, perplexity))
             fabric.log_dict({"val/loss": loss, "val/perplexity": perplexity}, step=done - 1)
     if checkpointing is not None:
         checkpointing.close()
+    if peer is not None:
+        peer.close()
     for logger in fabric.loggers:
         logger.finalize("success")
     return TrainedState(engine, settings.max_steps, fabric.global_rank, shard,
-                        strategy.core if distributed else None, checkpointing, injector)
+                        strategy.core if distributed else None, checkpointing, injector, peer)
+
+
+def _peer_checkpointing(settings: RunSettings, engine: TrainingEngine, rank: int,
+                        world_size: int) -> PeerCheckpointing | None:
+    """A user's own periodic checkpointing (``checkpoint=lightning`` or ``dcp``)."""
+    checkpoint = settings.checkpoint
+    if checkpoint.policy not in PEER_POLICIES:
+        return None
+    failures: set[int] = set()
+    options = dict(checkpoint.options)
+    if settings.faults.get("name", "none") != "none":
+        schedule = schedule_from_config(settings.faults, world_size=world_size,
+                                        max_steps=settings.max_steps, seed=settings.seed)
+        failures = {step for step in range(settings.max_steps) if schedule.events_at(step)}
+        if options.get("mtbf_steps") is None:
+            options["mtbf_steps"] = settings.faults.get("mtbf_steps")
+    peer = PeerCheckpointing(checkpoint.policy, engine, Path(settings.out_dir) / "peer",
+                             rank, world_size, failures, checkpoint.warmup_iterations,
+                             **options)
+    peer.begin()
+    return peer
 
 
 def run_training(cfg: DictConfig) -> dict[str, Any]:
@@ -309,6 +360,7 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
     if settings.model.family != "builtin":
         user = _train_hf_with_trainer(settings, data, history)
         state, checkpointing, injector = user["state"], user["checkpointing"], user["injector"]
+        peer = None
     else:
         train = _train_with_trainer if settings.api == "trainer" else _train_with_fabric
         trained = train(settings, data, history)
@@ -321,6 +373,7 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
         if trained.global_rank != 0:
             return {}
         checkpointing, injector = trained.checkpointing, trained.injector
+        peer = trained.peer
     assert state is not None
     torch.save(state, out_dir / FINAL_STATE)
     extra: dict[str, Any] = {"data": data.corpus.name,
@@ -330,6 +383,8 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
     if injector is not None:
         extra.update(injector.metrics())
         print(injector.report())
+    if peer is not None:
+        extra.update(peer.metrics(sum(history.iteration_seconds)))
     metrics = write_metrics(out_dir / METRICS, settings, history, extra)
     plot_training(out_dir / PLOT, history, f"{settings.model.name}, {settings.api}")
     return metrics

@@ -22,6 +22,7 @@ from tests.conftest import CONF_DIR, REPO
 pytestmark = pytest.mark.slow
 
 POLICIES = ("moevement", "gemini", "moc")
+PEERS = ("lightning-cap", "lightning-oracle", "dcp-cap", "dcp-oracle")
 
 
 def run_bench(out: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -43,7 +44,7 @@ def test_quick_bench_reports_measured_and_predicted_ettr_per_policy(
     stdout, report, out = quick
     assert [row["policy"] for row in report["overhead"]] == ["none"]
     rows = {row["policy"]: row for row in report["ettr"]}
-    assert tuple(rows) == POLICIES
+    assert tuple(rows) == POLICIES + PEERS
     schedules = {tuple(row["failure_steps"]) for row in rows.values()}
     assert len(schedules) == 1, "every policy must face the same failures"
     for policy, row in rows.items():
@@ -62,9 +63,14 @@ def test_quick_bench_reports_measured_and_predicted_ettr_per_policy(
     assert rows["moc"]["loss_finite"] and rows["moc"]["lost_token_pct"] >= 0
     assert rows["moevement"]["iterations_replayed"] >= 0
     assert rows["gemini"]["iterations_replayed"] > 0  # interval 10: replay after a failure
+    # The peers restart from their newest checkpoint and recompute: exact, with replay,
+    # at a k they chose (both rules) from what they measured.
+    for peer in PEERS:
+        assert rows[peer]["loss_exact"], peer
+        assert rows[peer]["iterations_replayed"] > 0 and rows[peer]["interval"] >= 1, peer
     table = (out / "bench.md").read_text()
     assert "ETTR measured" in table and "sim, same failures (gap)" in table
-    for policy in POLICIES:
+    for policy in POLICIES + PEERS:
         assert f"| {policy} |" in stdout
     assert (out / "bench.png").read_bytes().startswith(b"\x89PNG")
 

@@ -10,6 +10,7 @@ from lightning_moe_ckpt.checkpoint.planners import CapturePlan
 from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
 from lightning_moe_ckpt.checkpoint.snapshot import (
     HostBufferPool,
+    PieceLayout,
     Snapshot,
     SnapshotPiece,
     tensor_checksum,
@@ -33,10 +34,12 @@ def _snapshot(pool: HostBufferPool, step: int) -> Snapshot:
     plan = CapturePlan(step, tuple(names), (), step, 0, 1, None)
     pieces = {}
     for name in names:
-        buffer = pool.acquire(f"{name}.w/master", torch.empty(8, 4))
-        buffer.fill_(float(step))  # the value says when it was saved
-        tensors = {f"{name}.w/master": buffer}
-        pieces[name] = SnapshotPiece(name, "master", tensors, tensor_checksum(tensors))
+        buffers = pool.acquire(PieceLayout.of(name, "master",
+                                              {f"{name}.w/master": torch.empty(8, 4)}))
+        tensors = buffers.tensors
+        tensors[f"{name}.w/master"].fill_(float(step))  # the value says when it was saved
+        pieces[name] = SnapshotPiece(name, "master", tensors, tensor_checksum(tensors),
+                                     buffers)
     snapshot = Snapshot(step, 0, plan, pieces, {"step": step})
     snapshot.copied.set()
     snapshot.checksummed.set()

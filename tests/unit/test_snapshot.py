@@ -131,3 +131,51 @@ def test_buffers_are_reused_and_store_keeps_two_windows() -> None:
     # After the first two windows, buffers of freed windows are reused: no new allocations.
     assert sizes[-1] == sizes[2 * window - 1]
     assert store.peak_bytes <= 2 * max(r.nbytes for r in store.windows.values()) + 1
+
+
+def _replace_state_tensor(engine: TrainingEngine) -> None:
+    """An optimizer that assigns new state tensors instead of updating them in place."""
+    for state in engine.optimizer.inner.state.values():
+        state["exp_avg"] = state["exp_avg"] + 1.0
+
+
+def _replace_parameter_storage(engine: TrainingEngine) -> None:
+    """``param.data = ...``: the same Parameter object over new storage."""
+    for master in engine.optimizer.master.values():
+        master.data = master.data * 2.0
+
+
+def _replace_state_dicts(engine: TrainingEngine) -> None:
+    """New per-parameter state dicts (as a restore builds them), their tensors moved."""
+    state = engine.optimizer.inner.state
+    for master in list(state):
+        state[master] = {name: value * 3.0 for name, value in state[master].items()}
+
+
+@pytest.mark.parametrize("replace", [_replace_state_tensor, _replace_parameter_storage,
+                                     _replace_state_dicts])
+def test_copy_lists_are_reused_and_follow_replaced_tensors(replace: object) -> None:
+    engine = _engine("bf16-master")
+    names = tuple(engine.registry.names)
+    pool = HostBufferPool(pin_memory=False)
+    snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cpu"), pool)
+    engine.train_iteration(*_batch(0))
+    plans = [Plan(i, names[i::2], names[i + 1::2], 0, i, 2) for i in range(2)]
+    for step in range(1, 5):
+        engine.train_iteration(*_batch(step))
+        snapshots.issue(plans[step % 2], {})
+        snapshots.wait_copies()
+    assert snapshots.copy_list_builds == 2  # one per plan shape, then reused
+    assert callable(replace)
+    replace(engine)
+    plan = plans[1]
+    expected = {op: _live(engine, op, "master") for op in plan.master}
+    expected.update({op: _live(engine, op, "compute") for op in plan.compute})
+    snapshot = snapshots.issue(plan, {})
+    snapshots.close()
+    assert snapshots.copy_list_builds == 3  # the stale list was rebuilt
+    for operator, piece in snapshot.pieces.items():
+        assert piece.tensors.keys() == expected[operator].keys()
+        for name, tensor in expected[operator].items():
+            assert torch.equal(piece.tensors[name], tensor), name
+        assert piece.verify()

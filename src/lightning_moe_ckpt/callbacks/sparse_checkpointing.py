@@ -257,6 +257,17 @@ class SparseCheckpointing(L.Callback, StepHooks):
         figures["upstream_log_bytes_peak"] = self._upstream_log_peak
         return figures
 
+    def host_bytes(self) -> int:
+        """Host bytes this rank's checkpointing holds now: its snapshots (and retained
+        saves), the replicas it keeps for peers and the upstream log."""
+        coordinator = self.coordinator
+        held = 0 if self.upstream_log is None else self.upstream_log.nbytes()
+        if coordinator is not None:
+            held += coordinator.store.host_bytes()
+            if coordinator.replica_store is not None:
+                held += coordinator.replica_store.nbytes()
+        return held
+
     def step_values(self) -> dict[str, float]:
         """Per-step values for the loggers."""
         coordinator = self.coordinator

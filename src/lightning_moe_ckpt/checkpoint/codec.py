@@ -8,8 +8,11 @@ the operators a snapshot holds (:func:`snapshot_header`) and cut pieces out of i
 (:func:`extract_pieces`, :func:`split_pieces`) without deserialising any tensor: that is
 what lets the partial baselines keep each operator's newest save after its snapshot's
 window was dropped.
-:func:`decode_snapshot` verifies every piece's checksum and names rank, operator and
-iteration of a corrupt one. Bytes without the magic prefix are read as the earlier
+Each piece carries two checksums: ``checksum``, over its tensors (computed where the copy
+was made, it travels with the piece through every encoding), and ``frame_checksum``, over
+its encoded bytes (so a flipped bit outside the tensor data, in a name, a shape or the
+container, is caught as well). :func:`decode_snapshot` verifies both and names rank,
+operator and iteration of a corrupt piece. Bytes without the magic prefix are read as the earlier
 single-``torch.save`` encoding.
 """
 
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lightning_moe_ckpt.checkpoint.snapshot import Snapshot, tensor_checksum
+from lightning_moe_ckpt.checkpoint.snapshot import Snapshot, bytes_checksum, tensor_checksum
 
 MAGIC = b"MOESNAP2"
 _LENGTH = struct.Struct("<Q")
@@ -50,10 +53,13 @@ def encode_payload(payload: dict[str, Any]) -> torch.Tensor:
     buffer.write(MAGIC)
     index: dict[str, dict[str, Any]] = {}
     for name, piece in payload["pieces"].items():
-        offset = buffer.tell()
-        torch.save(piece["tensors"], buffer)
-        index[name] = {"kind": piece["kind"], "checksum": piece["checksum"],
-                       "offset": offset, "length": buffer.tell() - offset}
+        blob = io.BytesIO()
+        torch.save(piece["tensors"], blob)
+        with blob.getbuffer() as encoded:
+            index[name] = {"kind": piece["kind"], "checksum": piece["checksum"],
+                           "frame_checksum": bytes_checksum(encoded),
+                           "offset": buffer.tell(), "length": len(encoded)}
+            buffer.write(encoded)
     return _finish(buffer, {**{k: v for k, v in payload.items() if k != "pieces"},
                             "pieces": index})
 
@@ -128,20 +134,33 @@ def decode_snapshot(data: torch.Tensor) -> dict[str, Any]:
     raw = _bytes(data)
     if _is_framed(raw):
         payload = _header(raw)
-        payload["pieces"] = {
-            name: {"kind": entry["kind"], "checksum": entry["checksum"],
-                   "tensors": torch.load(io.BytesIO(
-                       raw[entry["offset"]:entry["offset"] + entry["length"]]),
-                       weights_only=False)}
-            for name, entry in payload["pieces"].items()}
+        payload["pieces"] = {name: _load_piece(raw, entry, payload, name)
+                             for name, entry in payload["pieces"].items()}
     else:
         payload = _legacy(raw)
     for name, piece in payload["pieces"].items():
         if piece["checksum"] is None or tensor_checksum(piece["tensors"]) != piece["checksum"]:
-            raise CorruptCheckpointError(
-                f"checkpoint piece of rank {payload['rank']}, operator {name!r}, iteration "
-                f"{payload['step']} fails its checksum")
+            raise _corrupt(payload, name)
     return payload
+
+
+def _load_piece(raw: memoryview, entry: dict[str, Any], payload: dict[str, Any],
+                name: str) -> dict[str, Any]:
+    blob = raw[entry["offset"]:entry["offset"] + entry["length"]]
+    # Encodings from before the frame checksum have none: their tensor checksum remains.
+    if "frame_checksum" in entry and bytes_checksum(blob) != entry["frame_checksum"]:
+        raise _corrupt(payload, name)
+    try:
+        tensors = torch.load(io.BytesIO(blob), weights_only=False)
+    except Exception as error:  # damaged bytes fail in any of unpickling's many ways
+        raise _corrupt(payload, name) from error
+    return {"kind": entry["kind"], "checksum": entry["checksum"], "tensors": tensors}
+
+
+def _corrupt(payload: dict[str, Any], name: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"checkpoint piece of rank {payload['rank']}, operator {name!r}, iteration "
+        f"{payload['step']} fails its checksum")
 
 
 def _legacy(raw: memoryview) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import queue
 import statistics
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,6 +86,13 @@ class CheckpointCoordinator(StepHooks):
         self._specs_measured = False
         self.paused_forward_backward = 0  # set by a localized recovery this rank sat out
         self.max_replication_lag = 0
+        self.snapshots_taken = 0
+        self.snapshots_confirmed = 0  # replicated to every peer (or written to disk)
+        # Full coverage (invariant 2), counted as it happens: master captures of the
+        # window in progress, and windows whose every local operator had exactly one.
+        self._window_masters: Counter[str] = Counter()
+        self.windows_covered = 0
+        self.windows_not_covered = 0  # by design for the partial baselines
         self._period_s: float | None = None
         self._last_step_end: float | None = None
         target.hooks.append(self)
@@ -140,6 +148,8 @@ class CheckpointCoordinator(StepHooks):
     def _take(self, plan: CapturePlan, result: StepResult | None) -> int:
         snapshot = self.snapshots.issue(plan, self._metadata(plan, result))
         self.store.add(snapshot)
+        self.snapshots_taken += 1
+        self._count_coverage(plan)
         self.current_window = plan.window
         self.windows_seen.add(plan.window_start)
         if self.replicator is not None:
@@ -147,6 +157,17 @@ class CheckpointCoordinator(StepHooks):
         if self.persister is not None:
             self.persister.submit(snapshot)
         return snapshot.nbytes
+
+    def _count_coverage(self, plan: CapturePlan) -> None:
+        if plan.window_index == 0:
+            self._window_masters.clear()
+        self._window_masters.update(plan.master)
+        if plan.window_index == plan.window - 1:  # once per window: a pass over operators
+            counts = self._window_masters
+            if all(counts[name] == 1 for name in self.target.registry.names):
+                self.windows_covered += 1
+            else:
+                self.windows_not_covered += 1
 
     def _metadata(self, plan: CapturePlan, result: StepResult | None) -> dict[str, Any]:
         clip = None if result is None or result.clip_coef is None else result.clip_coef
@@ -166,6 +187,7 @@ class CheckpointCoordinator(StepHooks):
                 start, step = self._acks.get_nowait()
             except queue.Empty:
                 return
+            self.snapshots_confirmed += 1
             self.store.mark_replicated(start, step)
 
     def drain(self) -> None:
@@ -248,5 +270,11 @@ class CheckpointCoordinator(StepHooks):
             "replica_bytes": 0 if self.replica_store is None else self.replica_store.nbytes(),
             "replication_lag_max": self.max_replication_lag,
             "replica_peers": self.replica_peers,
+            "snapshots_taken": self.snapshots_taken,
+            "snapshots_replicated": self.snapshots_confirmed,
+            "pieces_issued": self.snapshots.pieces_issued,
+            "pieces_checksummed": self.snapshots.pieces_checksummed,
+            "windows_covered": self.windows_covered,
+            "windows_not_covered": self.windows_not_covered,
             "persisted_files": [] if self.persister is None else self.persister.written[-2:],
         }

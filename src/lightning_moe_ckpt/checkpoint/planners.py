@@ -351,7 +351,7 @@ def planner_options(name: str) -> frozenset[str]:
     classes = _planner_classes()
     if name not in classes:
         raise ConfigError(f"{fmt('checkpoint', name)} is not a checkpoint policy; choose one "
-                          f"of {', '.join(PLANNER_NAMES)}")
+                          f"of {', '.join(PLANNER_NAMES)} (or the peers lightning, dcp)")
     parameters = inspect.signature(classes[name]).parameters
     return frozenset(p for p, v in parameters.items() if v.kind is inspect.Parameter.KEYWORD_ONLY)
 

@@ -35,6 +35,7 @@ class TrainingHistory:
     iteration_seconds: list[float] = field(default_factory=list)
     validation: list[ValidationRecord] = field(default_factory=list)
     expert_load_total: torch.Tensor | None = None
+    memory: list[dict[str, int]] = field(default_factory=list)  # host memory samples
     _started: float | None = None
 
     def start_iteration(self) -> None:

@@ -83,6 +83,7 @@ def write_metrics(path: Path, settings: RunSettings, history: TrainingHistory,
         "clip_coef": torch.stack(history.clip_coefs).tolist() if history.clip_coefs else [],
         "dropped_assignments": int(torch.stack(history.dropped).sum()) if history.dropped else 0,
         "validation": [vars(v) for v in history.validation],
+        "memory": history.memory,
         "iteration_ms": {
             "mean": statistics.fmean(iteration_ms) if iteration_ms else None,
             "median": statistics.median(iteration_ms) if iteration_ms else None,

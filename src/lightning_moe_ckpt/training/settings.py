@@ -84,10 +84,12 @@ class CheckpointSettings:
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     from lightning_moe_ckpt.checkpoint.planners import planner_options
+    from lightning_moe_ckpt.training.peers import PEER_OPTIONS, PEER_POLICIES
 
     values = dict(values)
     policy = str(values.pop("policy", "none"))
-    known = planner_options(policy)  # names checkpoint=<policy> when unknown
+    # Names checkpoint=<policy> when unknown.
+    known = PEER_OPTIONS if policy in PEER_POLICIES else planner_options(policy)
     replicas = values.pop("replicas", 2)
     warmup = values.pop("warmup_iterations", 3)
     durable_every = values.pop("durable_every", None)
