@@ -101,7 +101,8 @@ def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
         return None
     return SparseCheckpointing(checkpoint.policy, checkpoint.replicas,
                                checkpoint.warmup_iterations, checkpoint.durable_every,
-                               checkpoint.durable_dir, checkpoint.upstream_logging,
+                               checkpoint.durable_dir, checkpoint.durable_keep,
+                               checkpoint.upstream_logging,
                                **checkpoint.options)
 
 

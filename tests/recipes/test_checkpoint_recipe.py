@@ -66,3 +66,15 @@ def test_durable_checkpoint_resumes_bitwise_with_plain_ckpt_path(
     losses_full = json.loads((tmp_path / "full" / "metrics.json").read_text())["loss"]
     losses_resumed = json.loads((tmp_path / "resumed" / "metrics.json").read_text())["loss"]
     assert losses_resumed == losses_full[7:]
+
+
+def test_durable_retention_keeps_only_the_newest_checkpoints(tmp_path: Path) -> None:
+    """Every persisted window writes a durable checkpoint; only ``durable_keep`` remain."""
+    result = run_recipe(tmp_path, "trainer.max_steps=40", "checkpoint.window=2",
+                        "checkpoint.durable_every=1", "checkpoint.durable_keep=2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    saved = json.loads((tmp_path / "metrics.json").read_text())["durable_checkpoints"]
+    on_disk = sorted((tmp_path / "durable").glob("step=*.ckpt"),
+                     key=lambda p: int(p.stem.split("=")[1]))
+    assert [p.name for p in on_disk] == [Path(p).name for p in saved]
+    assert len(on_disk) == 2 and on_disk[-1].name == "step=39.ckpt", on_disk

@@ -3,8 +3,10 @@ every operator's newest save stays available (own store and replica peers alike)
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
 from lightning_moe_ckpt.checkpoint.codec import decode_snapshot, encode_snapshot
 from lightning_moe_ckpt.checkpoint.planners import CapturePlan
 from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
@@ -16,6 +18,7 @@ from lightning_moe_ckpt.checkpoint.snapshot import (
     tensor_checksum,
 )
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
+from lightning_moe_ckpt.errors import ConfigError
 
 EXPERTS = [f"layers.0.moe.experts.{e}" for e in range(4)]
 NON_EXPERTS = ["embed", "layers.0.moe.gate"]
@@ -123,3 +126,10 @@ def test_replica_store_keeps_each_operators_newest_save_and_no_more() -> None:
     assert replicas.held_saves(3)["layers.0.moe.experts.3"][0] == 0
     replicas.clear()
     assert replicas.nbytes() == 0 and replicas.held_saves(3) == {}
+
+
+@pytest.mark.parametrize("keep", [0, -1, 1.5, True])
+def test_durable_keep_must_be_a_positive_integer(keep: object) -> None:
+    with pytest.raises(ConfigError, match=rf"checkpoint\.durable_keep={keep!r}"):
+        SparseCheckpointing("moevement", durable_every=1, durable_dir="d",
+                            durable_keep=keep)  # type: ignore[arg-type]

@@ -95,12 +95,15 @@ class SparseCheckpointing(L.Callback, StepHooks):
     parameter-name patterns to operator names, or ``(name, param) -> name | None``);
     ``top_k`` and ``router_parser`` help routing telemetry read routers the built-in
     parsing does not understand (see :mod:`~lightning_moe_ckpt.targets.telemetry`).
+    ``durable_every=N`` writes a dense Lightning checkpoint into ``durable_dir`` every N-th
+    persisted window and keeps the newest ``durable_keep`` of them.
     """
 
     def __init__(self, policy: str = "moevement", replicas: int = 2,
                  warmup_iterations: int = 3, durable_every: int | None = None,
-                 durable_dir: str | None = None, upstream_logging: bool = True,
-                 operators: OperatorOverride | None = None, top_k: int | None = None,
+                 durable_dir: str | None = None, durable_keep: int = 2,
+                 upstream_logging: bool = True, operators: OperatorOverride | None = None,
+                 top_k: int | None = None,
                  router_parser: RouterParser | None = None, **options: Any) -> None:
         known = planner_options(policy)  # raises for an unknown policy
         unknown = sorted(set(options) - known)
@@ -115,8 +118,13 @@ class SparseCheckpointing(L.Callback, StepHooks):
                 "(or null: no durable checkpoints)")
         require(durable_every is None or durable_dir is not None,
                 f"checkpoint.durable_every={durable_every} needs checkpoint.durable_dir")
+        require(isinstance(durable_keep, int) and not isinstance(durable_keep, bool)
+                and durable_keep >= 1,
+                f"{fmt('checkpoint.durable_keep', durable_keep)} must be an integer >= 1 "
+                "(2 or more keeps a complete checkpoint while the next one is written)")
         self.durable_every = durable_every
         self.durable_dir = durable_dir
+        self.durable_keep = durable_keep
         self.durable_saved: list[str] = []
         self._persisted_seen: int | None = None
         self._persisted_count = 0
@@ -333,6 +341,17 @@ class SparseCheckpointing(L.Callback, StepHooks):
             path = f"{self.durable_dir}/step={trainer.global_step}.ckpt"
             trainer.save_checkpoint(path)
             self.durable_saved.append(path)
+            self._drop_old_durable(trainer)
+
+    def _drop_old_durable(self, trainer: L.Trainer) -> None:
+        """Delete all but the newest ``durable_keep`` durable checkpoints of this run.
+
+        The checkpoint IO writes in submission order (``AsyncCheckpointIO`` has one writer
+        thread), so with ``durable_keep >= 2`` the newest completed checkpoint is never the
+        one deleted, whatever the newest's write is doing."""
+        while len(self.durable_saved) > self.durable_keep:
+            oldest = self.durable_saved.pop(0)
+            trainer.strategy.remove_checkpoint(oldest)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -56,7 +56,7 @@ def exit_on_error() -> Iterator[None]:
     """
     try:
         yield
-    except BaseException as error:  # noqa: BLE001 - every escape ends the worker the same way
+    except BaseException as error:  # every escape ends the worker the same way
         if isinstance(error, SystemExit) and error.code in (0, None):
             raise
         traceback.print_exc()

@@ -20,8 +20,8 @@ from lightning_moe_ckpt.precision import Precision, parse_precision
 
 Api = Literal["trainer", "fabric"]
 DATA_SOURCES = ("stdlib", "textfile")
-COMMON_CHECKPOINT_KEYS = ("durable_dir", "durable_every", "replicas", "upstream_logging",
-                          "warmup_iterations")
+COMMON_CHECKPOINT_KEYS = ("durable_dir", "durable_every", "durable_keep", "replicas",
+                          "upstream_logging", "warmup_iterations")
 PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "schedule")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
                 "seed", "val_batches", "val_every")
@@ -80,6 +80,7 @@ class CheckpointSettings:
     durable_every: int | None = None
     durable_dir: str | None = None
     upstream_logging: bool = True
+    durable_keep: int = 2
 
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
@@ -94,6 +95,7 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     warmup = values.pop("warmup_iterations", 3)
     durable_every = values.pop("durable_every", None)
     durable_dir = values.pop("durable_dir", None)
+    durable_keep = values.pop("durable_keep", 2)
     upstream_logging = values.pop("upstream_logging", True)
     require(isinstance(upstream_logging, bool),
             f"{fmt('checkpoint.upstream_logging', upstream_logging)} must be true or false")
@@ -106,7 +108,7 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     require(isinstance(warmup, int) and warmup >= 1,
             f"{fmt('checkpoint.warmup_iterations', warmup)} must be an integer >= 1")
     return CheckpointSettings(policy, replicas, warmup, values, durable_every, durable_dir,
-                              upstream_logging)
+                              upstream_logging, durable_keep)
 
 
 @dataclass(frozen=True)
