@@ -33,7 +33,12 @@ from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
 from lightning_moe_ckpt.parallel.engine import DistributedExecutor
 from lightning_moe_ckpt.recovery.faults import has_real_faults, schedule_from_config
 from lightning_moe_ckpt.recovery.real_failures import PeerFailureHandler
-from lightning_moe_ckpt.recovery.rendezvous import JobStore, exit_on_error, supervised
+from lightning_moe_ckpt.recovery.rendezvous import (
+    JobStore,
+    await_assignment,
+    exit_on_error,
+    supervised,
+)
 from lightning_moe_ckpt.recovery.supervisor import Supervisor, report_of
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
 from lightning_moe_ckpt.targets.base import IterationAborted
@@ -79,6 +84,7 @@ class TrainedState:
     checkpointing: SparseCheckpointing | None = None
     injector: FailureInjector | None = None
     peer: PeerCheckpointing | None = None
+    peer_failures: PeerFailureHandler | None = None  # real failures of peers, recovered
 
 
 def _failure_injector(settings: RunSettings,
@@ -153,7 +159,8 @@ def _supervise(settings: RunSettings) -> dict[str, Any]:
             "real failures (faults.kind=kill|exit|exception|hang) run with api=fabric in "
             f"this version (api={settings.api})")
     supervisor = Supervisor([sys.executable, *sys.argv], settings.layout.world_size,
-                            settings.recovery.timeout_s, settings.recovery.max_restarts)
+                            settings.recovery.timeout_s, settings.recovery.max_restarts,
+                            settings.spares)
     code = supervisor.run()
     path = Path(settings.out_dir) / METRICS
     if code != 0:
@@ -161,6 +168,7 @@ def _supervise(settings: RunSettings) -> dict[str, Any]:
     metrics: dict[str, Any] = json.loads(path.read_text())
     metrics["replacements"] = report_of(supervisor.replacements)
     metrics["worker_pids"] = {str(rank): pids for rank, pids in supervisor.pids.items()}
+    metrics["spare_pids"] = supervisor.spare_pids
     path.write_text(json.dumps(metrics, indent=2))
     for r in supervisor.replacements:
         print(f"  generation {r.generation}: rank {r.rank} ({r.cause}) pid {r.dead_pid} "
@@ -271,6 +279,8 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
             handler.join_as_replacement()
             if injector is not None:  # this rank's own fault is behind it
                 injector.real_from = engine.step + 1
+        if injector is not None:  # from now on, real faults in phase "recovery" can strike
+            handler.recovery_started = injector.fail_during_recovery
     peer = _peer_checkpointing(settings, engine, fabric.global_rank, fabric.world_size)
     layer_ids = list(range(settings.model.n_layers))
     metrics = ValidationMetrics()
@@ -316,7 +326,8 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     for logger in fabric.loggers:
         logger.finalize("success")
     return TrainedState(engine, settings.max_steps, fabric.global_rank, shard,
-                        strategy.core if distributed else None, checkpointing, injector, peer)
+                        strategy.core if distributed else None, checkpointing, injector, peer,
+                        handler)
 
 
 def _peer_checkpointing(settings: RunSettings, engine: TrainingEngine, rank: int,
@@ -348,6 +359,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         if not supervised():
             return _supervise(settings)
         with exit_on_error():
+            if not await_assignment():  # a warm spare the job did not need
+                return {}
             return _train_and_write(settings)
     return _train_and_write(settings)
 
@@ -361,7 +374,7 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
     if settings.model.family != "builtin":
         user = _train_hf_with_trainer(settings, data, history)
         state, checkpointing, injector = user["state"], user["checkpointing"], user["injector"]
-        peer = None
+        peer, peer_failures = None, None
     else:
         train = _train_with_trainer if settings.api == "trainer" else _train_with_fabric
         trained = train(settings, data, history)
@@ -374,7 +387,7 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
         if trained.global_rank != 0:
             return {}
         checkpointing, injector = trained.checkpointing, trained.injector
-        peer = trained.peer
+        peer, peer_failures = trained.peer, trained.peer_failures
     assert state is not None
     torch.save(state, out_dir / FINAL_STATE)
     extra: dict[str, Any] = {"data": data.corpus.name,
@@ -386,6 +399,8 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
         print(injector.report())
     if peer is not None:
         extra.update(peer.metrics(sum(history.iteration_seconds)))
+    if peer_failures is not None:  # what rank 0 saw of real failures (survivor or replacement)
+        extra["real_recoveries"] = peer_failures.recoveries
     metrics = write_metrics(out_dir / METRICS, settings, history, extra)
     plot_training(out_dir / PLOT, history, f"{settings.model.name}, {settings.api}")
     return metrics

@@ -73,17 +73,98 @@ def test_no_replacement_left_stops_with_a_clear_error(tmp_path: Path) -> None:
     assert "recovery.max_restarts=0" in result.stderr
 
 
-def test_real_kill_in_pp2_ep2_recovers_localized_and_bitwise(tmp_path: Path) -> None:
+PP2_EP2 = ("api=fabric", "parallel.pp=2", "parallel.ep=2", "parallel.microbatches=4",
+           "trainer.max_steps=16", "checkpoint.window=3", "recovery.timeout_s=60")
+
+
+@pytest.fixture(scope="module")
+def golden_pp2_ep2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("golden_pp2_ep2")
+    result = run_recipe(out, *PP2_EP2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def _assert_bitwise(golden: Path, out: Path, metrics: dict[str, Any]) -> None:
+    golden_metrics = json.loads((golden / "metrics.json").read_text())
+    assert metrics["loss"] == golden_metrics["loss"]
+    assert_states_equal(golden / "final_state.pt", out / "final_state.pt")
+
+
+def _assert_paused_ran_nothing(recovery: dict[str, Any], world: int) -> None:
+    """Localized rollback: the ranks outside the failed stage paused, running no
+    forward or backward pass while the failed stage recovered."""
+    paused = recovery["paused_forward_backward"]
+    rolled_back = set(recovery["ranks_rolled_back"])
+    assert rolled_back and set(map(int, paused)) == set(range(world)) - rolled_back
+    assert all(calls == 0 for calls in paused.values()), paused
+
+
+def test_real_kill_in_pp2_ep2_recovers_localized_and_bitwise(
+        tmp_path: Path, golden_pp2_ep2: Path) -> None:
     """The issue's own command: kill rank 3 at step 13 under pp=2 x ep=2."""
-    common = ("api=fabric", "parallel.pp=2", "parallel.ep=2", "parallel.microbatches=4",
-              "trainer.max_steps=16", "checkpoint.window=3", "recovery.timeout_s=60")
-    golden = run_recipe(tmp_path / "golden", *common)
-    assert golden.returncode == 0, golden.stderr[-4000:]
-    failed = run_recipe(tmp_path / "failed", *common, "faults=at", "faults.kind=kill",
+    failed = run_recipe(tmp_path, *PP2_EP2, "faults=at", "faults.kind=kill",
                         "faults.events=[{step: 13, rank: 3}]")
     assert failed.returncode == 0, failed.stderr[-4000:]
-    metrics = _assert_replaced(tmp_path / "failed", 3, "exit -9", world=4)
-    golden_metrics = json.loads((tmp_path / "golden" / "metrics.json").read_text())
-    assert metrics["loss"] == golden_metrics["loss"]
-    assert_states_equal(tmp_path / "golden" / "final_state.pt",
-                        tmp_path / "failed" / "final_state.pt")
+    metrics = _assert_replaced(tmp_path, 3, "exit -9", world=4)
+    _assert_bitwise(golden_pp2_ep2, tmp_path, metrics)
+    (recovery,) = metrics["real_recoveries"]
+    assert recovery["failed_step"] == 13 and recovery["ranks_rolled_back"] == [2, 3]
+    _assert_paused_ran_nothing(recovery, world=4)
+
+
+def _replaced_ranks(out: Path, causes: dict[int, str], world: int) -> dict[str, Any]:
+    """Every rank of ``causes`` died (its pid replaced); every other kept its process."""
+    metrics: dict[str, Any] = json.loads((out / "metrics.json").read_text())
+    replacements = metrics["replacements"]
+    assert sorted((r["rank"], r["cause"]) for r in replacements) == sorted(causes.items())
+    pids = metrics["worker_pids"]
+    for r in replacements:
+        assert r["new_pid"] != r["dead_pid"] and r["dead_pid"] in pids[str(r["rank"])]
+    for rank in range(world):
+        if rank not in causes:
+            assert len(pids[str(rank)]) == 1, pids
+    return metrics
+
+
+def test_two_workers_of_adjacent_stages_die_at_one_step(
+        tmp_path: Path, golden_pp2_ep2: Path) -> None:
+    """Rank 1 (stage 0) exits and rank 2 (stage 1) is killed in the same iteration: both
+    stages roll back, the survivors' replicas supply both windows."""
+    result = run_recipe(tmp_path, *PP2_EP2, "faults=at",
+                        "faults.events=[{step: 7, rank: 1, kind: exit}, "
+                        "{step: 7, rank: 2, kind: kill}]")
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = _replaced_ranks(tmp_path, {1: "exit 1", 2: "exit -9"}, world=4)
+    _assert_bitwise(golden_pp2_ep2, tmp_path, metrics)
+
+
+def test_a_kill_during_a_recovery_widens_it_and_ends_bitwise(
+        tmp_path: Path, golden_pp2_ep2: Path) -> None:
+    """Rank 3 is killed at step 13; while the job recovers from it, rank 2 (its stage
+    peer, a survivor) is killed too. The recovery starts over in the next generation
+    with both failed, the paused stage still runs nothing."""
+    result = run_recipe(tmp_path, *PP2_EP2, "faults=at", "faults.kind=kill",
+                        "faults.events=[{step: 13, rank: 3}, "
+                        "{step: 13, rank: 2, phase: recovery}]")
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = _replaced_ranks(tmp_path, {2: "exit -9", 3: "exit -9"}, world=4)
+    assert {r["generation"] for r in metrics["replacements"]} == {1, 2}
+    _assert_bitwise(golden_pp2_ep2, tmp_path, metrics)
+    (recovery,) = metrics["real_recoveries"]
+    assert recovery["failed_ranks"] == [2, 3] and recovery["attempts"] == 2
+    _assert_paused_ran_nothing(recovery, world=4)
+
+
+def test_rank_0_killed_while_it_replicates_is_replaced_by_a_warm_spare(
+        tmp_path: Path, golden_pp2: Path) -> None:
+    """Rank 0 (first stage) is SIGKILLed in its replication thread, between announcing
+    SS_6 to its peer and sending it (SS_6 never reaches the peer); a warm
+    spare started with the job takes rank 0."""
+    result = run_recipe(tmp_path, *PP2, "parallel.spares=1", "faults=at", "faults.kind=kill",
+                        "faults.events=[{step: 7, rank: 0, phase: replication}]")
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = _assert_replaced(tmp_path, 0, "exit -9", world=2)
+    (replacement,) = metrics["replacements"]
+    assert replacement["warm_spare"] and metrics["spare_pids"] == [replacement["new_pid"]]
+    assert_states_equal(golden_pp2 / "final_state.pt", tmp_path / "final_state.pt")

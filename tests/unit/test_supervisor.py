@@ -16,7 +16,10 @@ WORKER = textwrap.dedent("""
     import os, sys, time
     from datetime import timedelta
     from torch.distributed import TCPStore
+    from lightning_moe_ckpt.recovery.rendezvous import await_assignment
     from lightning_moe_ckpt.recovery.supervisor import heartbeat_key
+    if not await_assignment():  # a warm spare the job did not need
+        sys.exit(0)
     host, port = os.environ["MOE_STORE"].rsplit(":", 1)
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
     rank = int(os.environ["RANK"])
@@ -29,9 +32,11 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _supervisor(mode: str, max_restarts: int = 3, timeout_s: float = 30.0) -> Supervisor:
+def _supervisor(mode: str, max_restarts: int = 3, timeout_s: float = 30.0,
+                spares: int = 0) -> Supervisor:
     env = {"PYTHONPATH": os.pathsep.join(sys.path)}
-    return Supervisor([sys.executable, "-c", WORKER, mode], 3, timeout_s, max_restarts, env)
+    return Supervisor([sys.executable, "-c", WORKER, mode], 3, timeout_s, max_restarts,
+                      spares, env=env)
 
 
 def test_exited_worker_is_replaced_with_its_rank() -> None:
@@ -42,6 +47,20 @@ def test_exited_worker_is_replaced_with_its_rank() -> None:
     assert replacement.new_pid != replacement.dead_pid
     assert supervisor.pids[1] == [replacement.dead_pid, replacement.new_pid]
     assert len(supervisor.pids[0]) == len(supervisor.pids[2]) == 1  # survivors untouched
+
+
+def test_a_warm_spare_takes_the_failed_rank_and_unused_spares_leave() -> None:
+    supervisor = _supervisor("exit", spares=2)
+    assert supervisor.run() == 0
+    (replacement,) = supervisor.replacements
+    assert replacement.warm_spare and replacement.rank == 1
+    assert replacement.new_pid == supervisor.spare_pids[0]  # started with the job
+    for pid in supervisor.spare_pids:  # the unused spare was told to leave, and did
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"spare {pid} is still alive")
 
 
 def test_hung_worker_is_killed_after_the_timeout_and_replaced() -> None:

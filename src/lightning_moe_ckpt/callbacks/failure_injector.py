@@ -87,6 +87,9 @@ class FailureInjector(L.Callback, StepHooks):
         self.target = target
         self.rank, self.world_size = rank, world_size
         target.hooks.append(self)
+        replicator = self.checkpointing.coordinator.replicator
+        if replicator is not None:  # real faults in phase "replication" strike from there
+            replicator.before_payload = self._fail_while_replicating
 
     @override
     def before_iteration(self, step: int) -> None:
@@ -99,7 +102,8 @@ class FailureInjector(L.Callback, StepHooks):
             coordinator.snapshots.interrupt_copy(step)
         events = self.schedule.events_at(step)
         for event in events:
-            if event.real and event.rank == self.rank and step >= self.real_from:
+            if (event.real and event.rank == self.rank and step >= self.real_from
+                    and event.phase not in ("replication", "recovery")):
                 self.counter.record(event)
                 fail_for_real(event)
         events = [event for event in events if not event.real]  # nobody else reads those
@@ -151,6 +155,23 @@ class FailureInjector(L.Callback, StepHooks):
             "stale_experts": summary["stale_experts"],
             "timings_s": summary["timings_s"],
         })
+
+    def fail_during_recovery(self, failed_step: int) -> None:
+        """A real fault in phase ``recovery`` at step ``s`` strikes while this rank (a
+        survivor) recovers from another failure at ``s``, before its state is touched."""
+        for event in self.schedule.events_at(failed_step):
+            if event.real and event.rank == self.rank and event.phase == "recovery":
+                self.counter.record(event)
+                fail_for_real(event)
+
+    def _fail_while_replicating(self, snapshot_step: int) -> None:
+        """A real fault in phase ``replication`` at step ``s`` strikes while SS_(s-1) is
+        sent to the peers (as a simulated one, it strikes while iteration s runs)."""
+        for event in self.schedule.events_at(snapshot_step + 1):
+            if (event.real and event.rank == self.rank and event.phase == "replication"
+                    and snapshot_step + 1 >= self.real_from):
+                self.counter.record(event)
+                fail_for_real(event)
 
     def _destroy(self) -> None:
         """What this rank's worker loses when it fails."""

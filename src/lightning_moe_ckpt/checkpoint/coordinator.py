@@ -217,6 +217,7 @@ class CheckpointCoordinator(StepHooks):
             return
         old.close(timeout_s=10.0)  # its thread stopped at the broken group, or idles
         self.replicator = Replicator(*self._replication_args, old.replicas)
+        self.replicator.before_payload = old.before_payload
 
     def restart(self, failed_step: int) -> None:
         """After a recovery: old windows are superseded, the planner starts a new window

@@ -103,6 +103,9 @@ class Replicator:
                                                       ranks_per_node)]
         self.replicas = replica_store if replica_store is not None else ReplicaStore()
         self.on_replicated = on_replicated
+        # Called in the replication thread with a snapshot's step once the sizes went out
+        # and before its payload does: where a real fault "during replication" strikes.
+        self.before_payload: Callable[[int], None] | None = None
         self.lag = 0
         # A transfer that failed (a peer died): the thread stops and drain() returns.
         self.error: BaseException | None = None
@@ -190,6 +193,8 @@ class Replicator:
         ops += [dist.P2POp(dist.isend, torch.tensor([data.numel()]), p, self.group)
                 for p in self.peers]
         _wait(ops)
+        if self.before_payload is not None:
+            self.before_payload(snapshot.step)
         received = {s: torch.empty(int(sizes[s]), dtype=torch.uint8) for s in self.sources}
         ops = [dist.P2POp(dist.irecv, received[s], s, self.group) for s in self.sources]
         ops += [dist.P2POp(dist.isend, data, p, self.group) for p in self.peers]

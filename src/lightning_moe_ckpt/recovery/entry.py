@@ -98,6 +98,9 @@ def _recover(request: RecoveryRequest, coordinator: CheckpointSide,
             scopes = recovery_scopes(plan, cascade.ranks, upstream_logging=True,
                                      ongoing=scopes)
         rolled_back = sorted(r for scope in scopes for r in scope.ranks)
+        if len(rolled_back) == world:  # every stage failed: nobody pauses, nothing logged
+            return RecoveryOutcome(global_rollback(coordinator, step, failed, cascade),
+                                   everyone)
         report = localized_rollback(coordinator, log, plan,
                                     plan.coordinates(coordinator.rank), step, failed, cascade)
         return RecoveryOutcome(report, rolled_back)

@@ -117,6 +117,11 @@ def parse_event(row: Mapping[str, Any], where: str, world_size: int | None = Non
     require(phase in PHASES,
             f"{fmt(f'{where}.phase', phase)} is unknown; choose one of {', '.join(PHASES)}")
     kind = parse_kind(row.get("kind", default_kind), f"{where}.kind")
+    # The replication thread can only take the process down with it; an exception or a
+    # hang there would leave the training thread running as if nothing happened.
+    require(phase != "replication" or kind in ("simulated", "kill", "exit"),
+            f"{fmt(f'{where}.kind', kind)} cannot strike in phase replication; use kill "
+            "or exit there")
     return FailureEvent(int(row["step"]), rank, cast(Phase, phase), kind)
 
 

@@ -32,7 +32,13 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
-from lightning_moe_ckpt.recovery.entry import DurableFallback, RecoveryRequest, recover
+from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
+from lightning_moe_ckpt.recovery.entry import (
+    DurableFallback,
+    RecoveryOutcome,
+    RecoveryRequest,
+    recover,
+)
 from lightning_moe_ckpt.recovery.rendezvous import JobStore
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 from lightning_moe_ckpt.targets.base import StepHooks
@@ -55,6 +61,9 @@ class PeerFailureHandler(StepHooks):
     backend: str
     upstream_log: UpstreamLog | None = None
     durable: DurableFallback | None = None
+    # Called once the iteration to recover is agreed, before the state is touched: where
+    # a real fault "during a recovery" strikes (the failure injector sets it).
+    recovery_started: Callable[[int], None] = lambda failed_step: None
     recoveries: list[dict[str, Any]] = field(default_factory=list)
 
     @override
@@ -87,35 +96,78 @@ class PeerFailureHandler(StepHooks):
     def _recover(self, replacing: bool) -> None:
         detected = time.perf_counter()
         with self.job.busy():
-            generation = self.job.current_generation() if not replacing else self.job.generation
             role = "replacement" if replacing else "survivor"
-            print(f"rank {self.job.rank} ({role}, pid {os.getpid()}): recovering into "
-                  f"generation {generation} at step {self.engine.step}", file=sys.stderr,
-                  flush=True)
+            print(f"rank {self.job.rank} ({role}, pid {os.getpid()}): recovering from "
+                  f"generation {self.job.generation} at step {self.engine.step}",
+                  file=sys.stderr, flush=True)
             self.coordinator.snapshots.wait_copies()  # issued copies finish (survivor)
             self.engine.optimizer.zero_grad()  # the aborted iteration's partial gradients
-            if not replacing:
-                self.job.join(generation, self.backend)
-                self.reform_groups()
-            self.warm_up()  # in the order a fresh process reaches it: after all groups
-            reformed = time.perf_counter()
-            dead = set(self.job.failed_ranks(generation))
-            steps: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(steps, None if replacing else self.engine.step)
-            survivors = [s for s in steps if s is not None]
-            failed_step = min(survivors)
-            # A survivor past the others holds a state nobody else can match: roll it back.
-            failed = sorted(dead | {r for r, s in enumerate(steps) if s is not None
-                                    and s != failed_step})
-            if replacing:
-                self.engine.set_step(failed_step)
-            outcome = recover(RecoveryRequest(failed_step, tuple(failed)), self.coordinator,
-                              self.upstream_log, self.durable)
+            attempt = _Attempt(None if replacing else self.engine.step, set(),
+                               formed=replacing)  # a replacement formed its groups at launch
+            while True:
+                try:
+                    outcome, reformed = self._attempt(attempt)
+                    break
+                except NoUsableCheckpointError:
+                    raise  # nothing to retry: no window and no durable checkpoint
+                except (RuntimeError, TimeoutError) as error:
+                    # Another peer failed during this recovery (its collectives broke, or
+                    # the rendezvous waited in vain): go again in the generation the
+                    # supervisor opens for it, with everything failed so far.
+                    print(f"rank {self.job.rank}: recovery interrupted ({error}); waiting "
+                          "for the next generation", file=sys.stderr, flush=True)
+                    if not self.job.await_new_generation():
+                        raise
+                    attempt.formed = False
+                    attempt.rounds += 1
             report = outcome.report
+            # Forward/backward passes each paused rank ran during the recovery (must be 0).
+            paused: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(paused, None if report is not None
+                                   else self.coordinator.paused_forward_backward)
             self.recoveries.append({
-                "generation": generation, "failed_step": failed_step, "failed_ranks": failed,
-                "replacement": replacing, "ranks_rolled_back": outcome.rolled_back,
+                "generation": self.job.generation, "failed_step": attempt.step,
+                "failed_ranks": sorted(attempt.failed), "replacement": replacing,
+                "attempts": attempt.rounds, "ranks_rolled_back": outcome.rolled_back,
                 "iterations_replayed": None if report is None else report.replayed,
+                "paused_forward_backward": {str(rank): calls for rank, calls
+                                            in enumerate(paused) if calls is not None},
                 "timings_s": {"detect_reform": reformed - detected,
                               **({} if report is None else report.phases_s),
                               "total": time.perf_counter() - detected}})
+
+    def _attempt(self, attempt: _Attempt) -> tuple[RecoveryOutcome, float]:
+        """One try at the recovery in the newest generation (collective over the world)."""
+        if not attempt.formed:
+            self.job.join(self.job.current_generation(), self.backend)
+            self.reform_groups()
+        self.warm_up()  # in the order a fresh process reaches it: after all groups
+        reformed = time.perf_counter()
+        # Everyone says which iteration it recovers (None: a replacement, empty) and which
+        # ranks it already knows failed, so a retry keeps every earlier failure in scope.
+        views: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(views, (attempt.step, sorted(attempt.failed)))
+        steps = [step for step, _ in views]
+        failed_step = min(step for step in steps if step is not None)
+        # A survivor past the others holds a state nobody else can match: roll it back.
+        attempt.failed |= {rank for rank, step in enumerate(steps)
+                           if step is None or step != failed_step}
+        attempt.failed |= {rank for _, known in views for rank in known}
+        attempt.failed |= set(self.job.failed_ranks(self.job.generation))
+        attempt.step = failed_step
+        if self.engine.step != failed_step:
+            self.engine.set_step(failed_step)
+        self.recovery_started(failed_step)
+        outcome = recover(RecoveryRequest(failed_step, tuple(sorted(attempt.failed))),
+                          self.coordinator, self.upstream_log, self.durable)
+        return outcome, reformed
+
+
+@dataclass
+class _Attempt:
+    """What a recovery interrupted by another failure keeps for its next try."""
+
+    step: int | None  # the iteration being recovered (None: not known yet, a replacement)
+    failed: set[int]  # every rank failed since the recovery began
+    formed: bool  # the process groups of the current generation are formed already
+    rounds: int = 1

@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from torch.distributed import PrefixStore, TCPStore, distributed_c10d
 from lightning_moe_ckpt.recovery.supervisor import (
     ENV_GENERATION,
     ENV_REPLACES,
+    ENV_SPARE,
     ENV_STORE,
     heartbeat_key,
 )
@@ -43,6 +44,26 @@ def _client(address: str, timeout: timedelta) -> TCPStore:
 def supervised() -> bool:
     """Whether this process is a worker of a supervised job."""
     return ENV_STORE in os.environ
+
+
+def await_assignment() -> bool:
+    """In a warm spare: wait until the supervisor hands this process a failed rank and take
+    its identity (the environment a replacement would have been started with); ``False``
+    when the job ended without needing it. Elsewhere: ``True`` at once."""
+    index = os.environ.pop(ENV_SPARE, None)
+    if index is None:
+        return True
+    store = _client(os.environ[ENV_STORE], timedelta(days=1))  # a spare may idle long
+    assignment = json.loads(store.get(f"spare/{index}"))  # blocks until the key is set
+    if assignment is None:
+        return False
+    generation = str(assignment["generation"])
+    os.environ.update({"RANK": str(assignment["rank"]), "LOCAL_RANK": str(assignment["rank"]),
+                       ENV_GENERATION: generation, ENV_REPLACES: generation})
+    return True
+
+
+_THIS_PROCESS: dict[str, JobStore] = {}  # this process's handle, by store address
 
 
 @contextmanager
@@ -77,6 +98,7 @@ class JobStore:
     replaces: int | None  # the generation a replacement joins (None: an original worker)
     timeout: timedelta  # store operations and the rendezvous of a new generation
     collective_timeout: timedelta  # a collective stuck on a dead peer errors after this
+    _arrived_at: set[int] = field(default_factory=set)  # generations this process joined
 
     @classmethod
     def from_env(cls, timeout_s: float = 60.0) -> JobStore | None:
@@ -90,12 +112,18 @@ class JobStore:
         address = os.environ.get(ENV_STORE)
         if address is None:
             return None
-        replaces = os.environ.get(ENV_REPLACES)
-        timeout = timedelta(seconds=3 * timeout_s)
-        return cls(_client(address, timeout), address, int(os.environ["RANK"]),
-                   int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")),
-                   None if replaces is None else int(replaces), timeout,
-                   timedelta(seconds=timeout_s / 3))
+        # One handle per process: the strategy forms the groups, the training loop
+        # recovers, and both must see the generation this process is in.
+        job = _THIS_PROCESS.get(address)
+        if job is None:
+            replaces = os.environ.get(ENV_REPLACES)
+            timeout = timedelta(seconds=3 * timeout_s)
+            job = cls(_client(address, timeout), address, int(os.environ["RANK"]),
+                      int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")),
+                      None if replaces is None else int(replaces), timeout,
+                      timedelta(seconds=timeout_s / 3))
+            _THIS_PROCESS[address] = job
+        return job
 
     def current_generation(self) -> int:
         """The newest generation the supervisor opened."""
@@ -110,27 +138,52 @@ class JobStore:
         self.store.add(heartbeat_key(self.rank, os.getpid()), 1)
 
     def join(self, generation: int, backend: str) -> None:
-        """Form the default process group of ``generation`` (collective over the world).
+        """Form the default process group of ``generation`` or of a newer one (collective
+        over the world).
 
         Everyone first arrives on the store (waiting as long as a replacement may take to
-        start); the groups are then formed with the short collective timeout, which also
-        bounds a point-to-point receive from a peer that died (gloo takes it from the
-        group's creation), so every group built in this process gets it."""
+        start); a rank still waiting when another failure opens a newer generation moves
+        on to that one, so failures that follow each other end in one rendezvous. The
+        groups are then formed with the short collective timeout, which also bounds a
+        point-to-point receive from a peer that died (gloo takes it from the group's
+        creation), so every group built in this process gets it."""
         if dist.is_initialized():
             dist.destroy_process_group()
-        arrived = f"gen{generation}/arrived"
-        self.store.add(arrived, 1)
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while int(self.store.add(arrived, 0)) < self.world_size:
+        while not self._all_arrived(generation):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: not every rank joined generation "
                                    f"{generation} within {self.timeout.total_seconds():.0f} s")
-            time.sleep(_ARRIVAL_POLL_S)
+            generation = max(generation, self.current_generation())
         distributed_c10d.default_pg_timeout = self.collective_timeout  # new_group's default
         dist.init_process_group(backend, store=PrefixStore(f"gen{generation}/", self.store),
                                 rank=self.rank, world_size=self.world_size,
                                 timeout=self.collective_timeout)
         self.generation = generation
+
+    def _all_arrived(self, generation: int) -> bool:
+        """Arrive at ``generation`` (once) and wait a moment for the others; whether all
+        ``world_size`` ranks are there."""
+        arrived = f"gen{generation}/arrived"
+        if generation not in self._arrived_at:
+            self._arrived_at.add(generation)
+            self.store.add(arrived, 1)
+        for _ in range(20):
+            if int(self.store.add(arrived, 0)) >= self.world_size:
+                return True
+            time.sleep(_ARRIVAL_POLL_S)
+        return False
+
+    def await_new_generation(self) -> bool:
+        """Wait (heartbeat kept) for the supervisor to open a generation newer than this
+        process's; ``False`` when none opened within the rendezvous timeout."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        with self.busy():
+            while self.current_generation() == self.generation:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(_ARRIVAL_POLL_S)
+        return True
 
     @contextmanager
     def busy(self) -> Iterator[None]:

@@ -11,12 +11,14 @@ The supervisor is the one process no worker failure can take down: it hosts the
 For a failure it opens a new **generation** of the job: it publishes the failed ranks
 under ``failed/<g>`` and then ``generation = g``, and starts a replacement process with
 the failed rank's identity (rank, stage, expert shard, data shard follow from the rank)
-and ``MOE_REPLACES=<g>`` in its environment. The survivors see the new generation (a
-collective error, or the generation key at their next iteration), re-form their process
-groups under the store prefix ``gen<g>/`` and recover with the replacement; they keep
-their processes and their state. After ``max_restarts`` replacements the job fails with
-an error naming the rank and the generation. The job's exit code is 0 when every worker
-finished training.
+and ``MOE_REPLACES=<g>`` in its environment, or, with ``spares`` > 0, hands that identity
+to a **warm spare**: a process started with the job (``MOE_SPARE=<i>``) that has its
+imports and configuration done and waits on the store key ``spare/<i>`` for a rank.
+The survivors see the new generation (a collective error, or the generation key at their
+next iteration), re-form their process groups under the store prefix ``gen<g>/`` and
+recover with the replacement; they keep their processes and their state. After
+``max_restarts`` replacements the job fails with an error naming the rank and the
+generation. The job's exit code is 0 when every worker finished training.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch.distributed import TCPStore
 ENV_GENERATION = "MOE_GENERATION"  # the generation a worker was started in
 ENV_REPLACES = "MOE_REPLACES"  # set in a replacement: the generation it joins
 ENV_STORE = "MOE_STORE"  # host:port of the supervisor's store
+ENV_SPARE = "MOE_SPARE"  # set in a warm spare: its index (it waits for a rank)
 POLL_S = 0.05
 
 
@@ -55,6 +58,7 @@ class Replacement:
     new_pid: int
     cause: str  # "exit <code>", "hang", ...
     detected_s: float  # since the job started
+    warm_spare: bool = False  # a spare started with the job took the rank
 
 
 @dataclass
@@ -65,9 +69,11 @@ class Supervisor:
     world_size: int
     timeout_s: float = 60.0
     max_restarts: int = 3
+    spares: int = 0  # warm spare processes started with the job
     env: dict[str, str] = field(default_factory=dict)
     replacements: list[Replacement] = field(default_factory=list)
     pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
+    spare_pids: list[int] = field(default_factory=list)  # the warm spares started
 
     def run(self) -> int:
         """Supervise until every worker finished (0) or the job cannot go on (1)."""
@@ -80,6 +86,9 @@ class Supervisor:
                 "NODE_RANK": "0"}
         workers = {rank: self._start(base, rank, 0, None) for rank in range(self.world_size)}
         self.pids = {rank: [process.pid] for rank, process in workers.items()}
+        idle = [(index, subprocess.Popen(list(self.command), env={**base, ENV_SPARE: str(index)}))
+                for index in range(self.spares)]
+        self.spare_pids = [process.pid for _, process in idle]
         beats = {rank: (-1, time.monotonic()) for rank in workers}
         done: set[int] = set()
         generation = 0
@@ -102,7 +111,7 @@ class Supervisor:
                 if not failed:
                     continue
                 if len(self.replacements) + len(failed) > self.max_restarts:
-                    self._stop(workers)
+                    self._stop({**workers, **{-1 - i: p for i, p in idle}})
                     ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
                     print(f"supervisor: {ranks} failed after {len(self.replacements)} "
                           f"replacements (recovery.max_restarts={self.max_restarts}); "
@@ -114,20 +123,30 @@ class Supervisor:
                           f"opening generation {generation}", file=sys.stderr, flush=True)
                 store.set(f"failed/{generation}", json.dumps(sorted(failed)))
                 store.set("generation", str(generation))
+                idle = [(index, process) for index, process in idle if process.poll() is None]
                 for rank, cause in sorted(failed.items()):
                     dead = workers[rank].pid
-                    workers[rank] = self._start(base, rank, generation, generation)
+                    warm = bool(idle)
+                    if warm:  # the rank's identity goes to a spare that is up already
+                        index, workers[rank] = idle.pop(0)
+                        store.set(f"spare/{index}", json.dumps(
+                            {"rank": rank, "generation": generation}))
+                    else:
+                        workers[rank] = self._start(base, rank, generation, generation)
                     self.pids[rank].append(workers[rank].pid)
                     beats[rank] = (-1, time.monotonic())
                     self.replacements.append(Replacement(
                         rank, generation, dead, workers[rank].pid, cause,
-                        time.monotonic() - self.started))
+                        time.monotonic() - self.started, warm))
                 store.set(f"replacements/{generation}",
                           json.dumps([vars(r) for r in self.replacements
                                       if r.generation == generation]))
         except BaseException:
-            self._stop(workers)
+            self._stop({**workers, **{-1 - i: p for i, p in idle}})
             raise
+        for index, _ in idle:  # training is over: the unused spares leave
+            store.set(f"spare/{index}", json.dumps(None))
+        self._stop({-1 - i: p for i, p in idle}, grace_s=self.timeout_s)
         return 0
 
     def _start(self, base: dict[str, str], rank: int, generation: int,
@@ -150,7 +169,11 @@ class Supervisor:
         return count > 0 and now - since > self.timeout_s
 
     @staticmethod
-    def _stop(workers: dict[int, subprocess.Popen[bytes]]) -> None:
+    def _stop(workers: dict[int, subprocess.Popen[bytes]], grace_s: float = 0.0) -> None:
+        """End ``workers`` (by pid), giving them ``grace_s`` to exit on their own."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in workers.values()):
+            time.sleep(POLL_S)
         for process in workers.values():
             if process.poll() is None:
                 process.kill()

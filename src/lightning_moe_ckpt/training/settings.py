@@ -22,7 +22,7 @@ Api = Literal["trainer", "fabric"]
 DATA_SOURCES = ("stdlib", "textfile")
 COMMON_CHECKPOINT_KEYS = ("durable_dir", "durable_every", "durable_keep", "replicas",
                           "upstream_logging", "warmup_iterations")
-PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "schedule")
+PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "schedule", "spares")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
                 "seed", "val_batches", "val_every")
 
@@ -154,6 +154,7 @@ class RunSettings:
     ckpt_path: str | None = None
     faults: dict[str, Any] = field(default_factory=dict)
     recovery: RecoverySettings = field(default_factory=RecoverySettings)
+    spares: int = 0  # warm spare processes that take a failed rank (real failures)
 
 
 def _section(cfg: DictConfig, key: str) -> dict[str, Any]:
@@ -189,6 +190,9 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
         pp=parallel.get("pp", 1), dp=parallel.get("dp", 1), ep=parallel.get("ep", 1),
         microbatches=parallel.get("microbatches", 1),
         schedule=str(parallel.get("schedule", "1f1b")), model=model)
+    spares = parallel.get("spares", 0)
+    require(isinstance(spares, int) and not isinstance(spares, bool) and spares >= 0,
+            f"{fmt('parallel.spares', spares)} must be an integer >= 0")
     hardware = _pick(_section(cfg, "hardware"), "hardware", HardwareSettings,
                      ignore=("cluster",))
     trainer = _section(cfg, "trainer")
@@ -219,6 +223,7 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
         ckpt_path=None if cfg.get("ckpt_path") is None else str(cfg.get("ckpt_path")),
         faults=_section(cfg, "faults"),
         recovery=_recovery_settings(_section(cfg, "recovery")),
+        spares=spares,
     )
     require(settings.max_steps >= 1, f"trainer.max_steps={settings.max_steps} must be >= 1")
     if settings.faults.get("name", "none") != "none":
