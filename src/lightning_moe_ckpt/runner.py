@@ -51,6 +51,7 @@ from lightning_moe_ckpt.training.outputs import (
     FINAL_STATE,
     METRICS,
     PLOT,
+    WORKERS,
     consolidated_state,
     plot_training,
     target_state,
@@ -142,25 +143,37 @@ def _job_store(settings: RunSettings) -> JobStore | None:
 
 
 def _needs_supervisor(settings: RunSettings) -> bool:
-    """Real failures are configured: the job runs under the supervisor."""
-    if settings.faults.get("name", "none") == "none":
+    """Whether the job runs under the supervisor (``recovery.supervise``)."""
+    supervise = settings.recovery.supervise
+    real = settings.faults.get("name", "none") != "none" and has_real_faults(
+        schedule_from_config(settings.faults, world_size=settings.layout.world_size,
+                             max_steps=settings.max_steps, seed=settings.seed))
+    if supervise is False:
+        require(not real and settings.spares == 0,
+                f"recovery.supervise=false, but real faults (faults.kind="
+                f"{settings.faults.get('kind')!r}) or parallel.spares={settings.spares} "
+                "need the supervisor")
         return False
-    schedule = schedule_from_config(settings.faults, world_size=settings.layout.world_size,
-                                    max_steps=settings.max_steps, seed=settings.seed)
-    return has_real_faults(schedule)
+    return supervise is True or real or settings.spares > 0
 
 
 def _supervise(settings: RunSettings) -> dict[str, Any]:
     """Run the job's workers under the supervisor (this process hosts the store)."""
+    why = (f"recovery.supervise={settings.recovery.supervise}, "
+           f"faults.kind={settings.faults.get('kind')!r}, parallel.spares={settings.spares}")
     require(settings.layout.world_size > 1,
-            f"faults.kind={settings.faults.get('kind')!r}: real failures need several "
-            "worker processes (a layout with parallel.pp x dp x ep > 1)")
+            f"{why}: real failures need several worker processes (a layout with "
+            "parallel.pp x dp x ep > 1)")
     require(settings.api == "fabric",
-            "real failures (faults.kind=kill|exit|exception|hang) run with api=fabric in "
-            f"this version (api={settings.api})")
+            f"{why}: real failures are recovered with api=fabric in this version "
+            f"(api={settings.api})")
+    require(settings.checkpoint.policy not in ("none", *PEER_POLICIES),
+            f"{why}: real failures are recovered from sparse checkpoints "
+            f"(checkpoint={settings.checkpoint.policy})")
+    Path(settings.out_dir).mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor([sys.executable, *sys.argv], settings.layout.world_size,
                             settings.recovery.timeout_s, settings.recovery.max_restarts,
-                            settings.spares)
+                            settings.spares, status_path=Path(settings.out_dir) / WORKERS)
     code = supervisor.run()
     path = Path(settings.out_dir) / METRICS
     if code != 0:
@@ -257,6 +270,10 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     if injector is not None:
         injector.attach(engine, fabric.global_rank, fabric.world_size)
     handler = None
+    if job is None and checkpointing is not None and distributed and fabric.global_rank == 0:
+        print("note: without the supervisor a worker that really dies ends the job; set "
+              "recovery.supervise=true to have it replaced and recovered", file=sys.stderr,
+              flush=True)
     if job is not None and checkpointing is not None and distributed:
         coordinator = checkpointing.coordinator
         assert coordinator is not None

@@ -5,11 +5,20 @@ their processes and state, and training ends bitwise equal to the fault-free run
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed import TCPStore
 
+from lightning_moe_ckpt.recovery.supervisor import heartbeat_key
+from tests.conftest import REPO
 from tests.recipes.test_train_recipe import assert_states_equal, run_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -168,3 +177,53 @@ def test_rank_0_killed_while_it_replicates_is_replaced_by_a_warm_spare(
     (replacement,) = metrics["replacements"]
     assert replacement["warm_spare"] and metrics["spare_pids"] == [replacement["new_pid"]]
     assert_states_equal(golden_pp2 / "final_state.pt", tmp_path / "final_state.pt")
+
+
+def test_a_worker_killed_from_outside_is_replaced_under_recovery_supervise(
+        tmp_path: Path, golden_pp2: Path) -> None:
+    """No fault injected: the test itself sends SIGKILL to rank 1's pid once it runs its
+    sixth iteration, as an out-of-memory killer or an operator would."""
+    status = tmp_path / "workers.json"
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "recipes" / "train.py"), f"out_dir={tmp_path}",
+         "trainer.progress_bar=false", *PP2, "recovery.supervise=true"],
+        cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while not status.exists():
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        view = json.loads(status.read_text())
+        victim = view["ranks"]["1"]
+        pids.update(view["ranks"].values())
+        host, port = view["store"].rsplit(":", 1)
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+        while int(store.add(heartbeat_key(1, victim), 0)) < 6:  # iteration 5 began
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-4000:]
+        assert not _alive(victim)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if status.exists():
+            pids.update(json.loads(status.read_text())["ranks"].values())
+        for pid in pids:  # a worker orphaned by a failed test ends with it
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    metrics = _assert_replaced(tmp_path, 1, "exit -9", world=2)
+    assert metrics.get("failures_injected", 0) == 0  # nothing was injected
+    _assert_bitwise(golden_pp2, tmp_path, metrics)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

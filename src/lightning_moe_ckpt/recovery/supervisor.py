@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from torch.distributed import TCPStore
@@ -71,6 +72,9 @@ class Supervisor:
     max_restarts: int = 3
     spares: int = 0  # warm spare processes started with the job
     env: dict[str, str] = field(default_factory=dict)
+    # Where the live view goes (store address, supervisor and worker pids), rewritten
+    # whenever a process changes: for operators and tests that act on a worker by pid.
+    status_path: Path | None = None
     replacements: list[Replacement] = field(default_factory=list)
     pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
     spare_pids: list[int] = field(default_factory=list)  # the warm spares started
@@ -89,6 +93,7 @@ class Supervisor:
         idle = [(index, subprocess.Popen(list(self.command), env={**base, ENV_SPARE: str(index)}))
                 for index in range(self.spares)]
         self.spare_pids = [process.pid for _, process in idle]
+        self._publish(store, workers, idle)
         beats = {rank: (-1, time.monotonic()) for rank in workers}
         done: set[int] = set()
         generation = 0
@@ -138,6 +143,7 @@ class Supervisor:
                     self.replacements.append(Replacement(
                         rank, generation, dead, workers[rank].pid, cause,
                         time.monotonic() - self.started, warm))
+                self._publish(store, workers, idle)
                 store.set(f"replacements/{generation}",
                           json.dumps([vars(r) for r in self.replacements
                                       if r.generation == generation]))
@@ -167,6 +173,18 @@ class Supervisor:
             return False
         # Before its first beat a worker is still starting (imports, data): not hung yet.
         return count > 0 and now - since > self.timeout_s
+
+    def _publish(self, store: TCPStore, workers: dict[int, subprocess.Popen[bytes]],
+                 idle: list[tuple[int, subprocess.Popen[bytes]]]) -> None:
+        if self.status_path is None:
+            return
+        status = {"store": f"127.0.0.1:{store.port}", "supervisor": os.getpid(),
+                  "ranks": {str(rank): process.pid for rank, process in workers.items()},
+                  "idle_spares": [process.pid for _, process in idle],
+                  "replacements": len(self.replacements)}
+        partial = self.status_path.with_suffix(".tmp")
+        partial.write_text(json.dumps(status))
+        partial.replace(self.status_path)  # readers never see half a file
 
     @staticmethod
     def _stop(workers: dict[int, subprocess.Popen[bytes]], grace_s: float = 0.0) -> None:

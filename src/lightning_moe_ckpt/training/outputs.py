@@ -30,6 +30,7 @@ from lightning_moe_ckpt.training.settings import RunSettings
 FINAL_STATE = "final_state.pt"
 METRICS = "metrics.json"
 PLOT = "training.png"
+WORKERS = "workers.json"  # the supervisor's live view: store address, pid of every rank
 
 
 def consolidated_state(model: torch.nn.Module, optimizer: MasterWeightAdamW,

@@ -120,6 +120,10 @@ class RecoverySettings:
     # checkpoint I/O (minutes), and set the collective timeout to match.
     timeout_s: float = 60.0
     max_restarts: int = 3  # replacements before the job gives up
+    # Run the workers under the supervisor: "auto" when real faults are injected or warm
+    # spares are asked for; true for any multi-process Fabric job (real failures from
+    # outside, e.g. a kill -9, are then recovered); false never.
+    supervise: bool | str = "auto"
 
 
 def _recovery_settings(values: Mapping[str, Any]) -> RecoverySettings:
@@ -128,6 +132,8 @@ def _recovery_settings(values: Mapping[str, Any]) -> RecoverySettings:
             f"{fmt('recovery.timeout_s', settings.timeout_s)} must be > 0 seconds")
     require(isinstance(settings.max_restarts, int) and settings.max_restarts >= 0,
             f"{fmt('recovery.max_restarts', settings.max_restarts)} must be an integer >= 0")
+    require(settings.supervise in (True, False, "auto"),
+            f"{fmt('recovery.supervise', settings.supervise)} must be auto, true or false")
     return settings
 
 
