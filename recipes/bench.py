@@ -25,6 +25,14 @@ the measured save cost within 3% of training time, and ``-oracle``, the best-ETT
 the newest complete checkpoint and recomputing. They appear in both tables (fault-free runs
 except with ``--quick``).
 
+**Real kills** (``--kind kill``, or ``--kind simulated kill`` for both tables): the ETTR
+policies run again with ``faults.kind=kill`` on the same schedule, under the supervisor:
+each failing worker is SIGKILLed, replaced by a new process and recovered. Their ETTR is
+the ``none`` run's useful time over the supervisor's measured training time (first
+iteration of every rank to the last worker's exit: recoveries, replacement start-up and
+checkpointing included), next to the same policy supervised without failures; the final
+state is compared bitwise with that run. Needs a multi-process layout (``parallel.pp=2``).
+
 Writes ``bench.md``, ``bench.json``, ``bench.png`` and ``profile.json`` to ``--out``.
 Extra arguments are Hydra overrides for every run (``parallel.pp=2 model=small``); one
 prefixed with a policy name and a colon goes to that policy's runs only
@@ -46,6 +54,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -65,6 +74,7 @@ POLICIES = ("none", "moevement", "gemini", "checkfreq", "moc", "moetion")
 ETTR_POLICIES = ("moevement", "gemini", "moc")
 PEER_GROUPS = ("lightning", "dcp")
 PEERS = tuple(f"{group}-{rule}" for group in PEER_GROUPS for rule in ("cap", "oracle"))
+KINDS = ("simulated", "kill")
 
 
 def run_spec(label: str, mtbf_steps: float) -> tuple[str, list[str]]:
@@ -262,6 +272,10 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
                         help="mean steps between failures (default 10; --quick 3)")
     parser.add_argument("--fault-seed", type=int, default=None,
                         help="failure schedule seed (default: trainer.seed)")
+    parser.add_argument("--kind", nargs="+", default=["simulated"], choices=KINDS,
+                        help="failures of the ETTR runs: simulated (in place, every rank "
+                             "knows), kill (real SIGKILL and replacement; needs several "
+                             "processes), or both")
     parser.add_argument("--mc-runs", type=int, default=200, help="Monte-Carlo runs (>= 2)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per training process and for the profile "
@@ -323,6 +337,59 @@ def ettr_section(args: argparse.Namespace, configs: dict[str, DictConfig],
                   "simulate_command": simulate}
 
 
+def kill_section(args: argparse.Namespace, common: list[str],
+                 per_policy: dict[str, list[str]], baseline: dict[str, Any],
+                 faults: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
+    """The real-kill ETTR runs: per policy, supervised without and with SIGKILLs."""
+    rows = []
+    useful = useful_seconds(baseline, "none")
+    for policy in args.ettr_policies:
+        own = [*common, *per_policy.get(policy, [])]
+        clean = run_policy(policy, args.out / f"{policy}-supervised", args.steps,
+                           [*own, "recovery.supervise=true"], args.threads)
+        killed = run_policy(policy, args.out / f"{policy}-kill", args.steps,
+                            [*own, *faults, "faults.kind=kill",
+                             f"recovery.max_restarts={args.steps}"], args.threads)
+        replacements = killed["replacements"]
+        rows.append({
+            "policy": policy, "failures": len(replacements),
+            "failed_ranks": [r["rank"] for r in replacements],
+            "training_s_fault_free": clean["supervised_training_s"],
+            "training_s_killed": killed["supervised_training_s"],
+            "ettr_measured": useful / killed["supervised_training_s"],
+            "ettr_fault_free": useful / clean["supervised_training_s"],
+            "state_exact": same_state(args.out / f"{policy}-supervised",
+                                      args.out / f"{policy}-kill"),
+        })
+    lines = ["| policy | kills (ranks) | training s, no failures | training s, killed "
+             "| ETTR, no failures | ETTR, killed | final state = no-failure run |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ranks = ", ".join(map(str, r["failed_ranks"]))
+        lines.append(f"| {r['policy']} | {r['failures']} ({ranks}) "
+                     f"| {r['training_s_fault_free']:.2f} | {r['training_s_killed']:.2f} "
+                     f"| {r['ettr_fault_free']:.3f} | {r['ettr_measured']:.3f} "
+                     f"| {'yes, bitwise' if r['state_exact'] else 'NO'} |")
+    return lines, rows
+
+
+def same_state(a: Path, b: Path) -> bool:
+    """Whether two runs' ``final_state.pt`` hold bitwise-equal tensors."""
+    left, right = (torch.load(path / "final_state.pt") for path in (a, b))
+    flat_left, flat_right = (dict(_tensors(state)) for state in (left, right))
+    return flat_left.keys() == flat_right.keys() and all(
+        torch.equal(tensor, flat_right[key]) for key, tensor in flat_left.items())
+
+
+def _tensors(value: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        return [(prefix, value)]
+    if isinstance(value, dict):
+        return [item for key, inner in value.items()
+                for item in _tensors(inner, f"{prefix}/{key}")]
+    return []
+
+
 def main() -> None:
     """Run the fault-free and the failure sweeps, write the report."""
     args, overrides = parse_args()
@@ -334,6 +401,11 @@ def main() -> None:
         configs[label] = compose_train(group, args.steps,  # first: bad overrides fail early
                                        [*common, *per_policy.get(group, []), *own, *faults])
     schedules = {p: planned_failures(settings_from_config(c)) for p, c in configs.items()}
+    if "kill" in args.kind and configs:
+        world = settings_from_config(next(iter(configs.values()))).layout.world_size
+        if world < 2:
+            raise ConfigError(f"--kind kill needs several worker processes (parallel.pp x dp "
+                              f"x ep = {world}); add e.g. parallel.pp=2")
     if configs:
         print(f"failures before steps {next(iter(schedules.values()))}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -343,8 +415,9 @@ def main() -> None:
                       args.threads, args.mtbf_steps)
     if "moevement" in results:
         check_moevement(results["moevement"], "moevement (fault-free)")
-    faulty = run_all(list(configs), args.out, args.steps, common, per_policy, faults, "-mtbf",
-                     args.threads, args.mtbf_steps)
+    simulated = "simulated" in args.kind
+    faulty = run_all(list(configs) if simulated else [], args.out, args.steps, common,
+                     per_policy, faults, "-mtbf", args.threads, args.mtbf_steps)
     rows = summarise(results)
     command = " ".join(["python recipes/bench.py", *sys.argv[1:]])
     lines = [f"`{command}`", "", "Fault-free:", "", *overhead_markdown(rows)]
@@ -355,13 +428,19 @@ def main() -> None:
                           common, args.threads)
         memory_lines, report["memory"] = memory_section(long, args.memory_steps)
         lines += ["", *memory_lines]
-    if configs:
+    if configs and simulated:
         ettr_rows, extra = ettr_section(args, configs, results["none"], faulty, common)
         lines += ["", f"With failures (faults=mtbf, MTBF {args.mtbf_steps:g} steps, the same "
                       "schedule for every policy; ETTR vs the fault-free none run):", "",
                   *ettr_markdown(ettr_rows), "",
                   f"Simulator calibrated by this run: `{extra['simulate_command']}`"]
         report.update({**extra, "ettr": ettr_rows})
+    if "kill" in args.kind and args.ettr_policies:
+        kill_lines, report["ettr_kill"] = kill_section(args, common, per_policy,
+                                                       results["none"], faults)
+        lines += ["", "With real kills (faults.kind=kill on the same schedule: the worker is "
+                      "SIGKILLed and replaced; ETTR = useful time of the none run over the "
+                      "supervisor's training time):", "", *kill_lines]
     table = "\n".join(lines) + "\n"
     (args.out / "bench.md").write_text(table)
     (args.out / "bench.json").write_text(json.dumps(report, indent=2))

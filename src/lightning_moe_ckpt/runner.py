@@ -182,6 +182,7 @@ def _supervise(settings: RunSettings) -> dict[str, Any]:
     metrics["replacements"] = report_of(supervisor.replacements)
     metrics["worker_pids"] = {str(rank): pids for rank, pids in supervisor.pids.items()}
     metrics["spare_pids"] = supervisor.spare_pids
+    metrics["supervised_training_s"] = supervisor.training_s
     path.write_text(json.dumps(metrics, indent=2))
     for r in supervisor.replacements:
         print(f"  generation {r.generation}: rank {r.rank} ({r.cause}) pid {r.dead_pid} "

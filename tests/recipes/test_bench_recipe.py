@@ -114,3 +114,5 @@ def test_bench_refuses_bad_options_naming_them(tmp_path: Path) -> None:
     assert done.returncode != 0 and "names policy 'moe'" in done.stderr
     done = run_bench(tmp_path, "--quick", "gemini:trainer.seed=3", timeout=120)
     assert done.returncode != 0 and "may only set checkpoint.* options" in done.stderr
+    done = run_bench(tmp_path, "--quick", "--kind", "kill", timeout=120)
+    assert done.returncode != 0 and "--kind kill needs several worker processes" in done.stderr

@@ -78,6 +78,10 @@ class Supervisor:
     replacements: list[Replacement] = field(default_factory=list)
     pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
     spare_pids: list[int] = field(default_factory=list)  # the warm spares started
+    # Since the job started: when every rank began its first iteration; and from then to
+    # the last worker's exit (training, recoveries and replacements, without start-up).
+    training_started_s: float | None = None
+    training_s: float | None = None
 
     def run(self) -> int:
         """Supervise until every worker finished (0) or the job cannot go on (1)."""
@@ -100,6 +104,8 @@ class Supervisor:
         try:
             while len(done) < self.world_size:
                 time.sleep(POLL_S)
+                if self.training_started_s is None and all(b[0] > 0 for b in beats.values()):
+                    self.training_started_s = time.monotonic() - self.started
                 failed: dict[int, str] = {}
                 for rank, process in workers.items():
                     if rank in done:
@@ -150,6 +156,7 @@ class Supervisor:
         except BaseException:
             self._stop({**workers, **{-1 - i: p for i, p in idle}})
             raise
+        self.training_s = time.monotonic() - self.started - (self.training_started_s or 0.0)
         for index, _ in idle:  # training is over: the unused spares leave
             store.set(f"spare/{index}", json.dumps(None))
         self._stop({-1 - i: p for i, p in idle}, grace_s=self.timeout_s)
