@@ -379,7 +379,11 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         with exit_on_error():
             if not await_assignment():  # a warm spare the job did not need
                 return {}
-            return _train_and_write(settings)
+            metrics = _train_and_write(settings)
+            job = _job_store(settings)
+            if job is not None:  # its helper thread ends before the interpreter does
+                job.stop_heartbeat()
+            return metrics
     return _train_and_write(settings)
 
 

@@ -69,7 +69,7 @@ class PeerFailureHandler(StepHooks):
     @override
     def before_iteration(self, step: int) -> None:
         self.job.heartbeat()
-        if self.job.current_generation() != self.job.generation:
+        if self.job.newer_generation_seen():
             self.recover_now()
 
     @override

@@ -33,6 +33,7 @@ from lightning_moe_ckpt.recovery.supervisor import (
 )
 
 _BUSY_BEAT_S = 0.5
+_WATCH_S = 0.1  # how often the heartbeat thread publishes progress and reads the generation
 _ARRIVAL_POLL_S = 0.05
 
 
@@ -99,6 +100,10 @@ class JobStore:
     timeout: timedelta  # store operations and the rendezvous of a new generation
     collective_timeout: timedelta  # a collective stuck on a dead peer errors after this
     _arrived_at: set[int] = field(default_factory=set)  # generations this process joined
+    _iterations: int = 0  # iterations begun (bumped by the training thread)
+    _newest_seen: int = 0  # the newest generation the heartbeat thread saw
+    _watcher: threading.Thread | None = None
+    _stop_watch: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
     def from_env(cls, timeout_s: float = 60.0) -> JobStore | None:
@@ -134,8 +139,41 @@ class JobStore:
         return tuple(json.loads(self.store.get(f"failed/{generation}")))
 
     def heartbeat(self) -> None:
-        """Progress: this worker is about to run another iteration."""
-        self.store.add(heartbeat_key(self.rank, os.getpid()), 1)
+        """Progress: this worker is about to run another iteration.
+
+        The training thread only bumps a counter; a helper thread publishes it to the
+        store (the supervisor's hang detection reads it there) and watches for a newer
+        generation, so an iteration costs no store round trip. A hung training thread
+        stops the counter, and the helper then publishes nothing."""
+        self._iterations += 1
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="job-heartbeat",
+                                             daemon=True)
+            self._watcher.start()
+
+    def newer_generation_seen(self) -> bool:
+        """Whether the heartbeat thread saw the supervisor open a newer generation than
+        this process's (cheap: no store access on the caller's thread)."""
+        return self._newest_seen > self.generation
+
+    def _watch(self) -> None:
+        store = _client(self.address, self.timeout)  # its own connection: thread-safe
+        key = heartbeat_key(self.rank, os.getpid())
+        published = 0
+        while not self._stop_watch.wait(_WATCH_S):
+            done = self._iterations  # an int written by the training thread
+            if done != published:
+                store.add(key, done - published)
+                published = done
+            self._newest_seen = int(store.get("generation"))
+
+    def stop_heartbeat(self) -> None:
+        """Training is over: stop the heartbeat thread (before the interpreter exits, so
+        no store call is cut off mid-way)."""
+        self._stop_watch.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
 
     def join(self, generation: int, backend: str) -> None:
         """Form the default process group of ``generation`` or of a newer one (collective
