@@ -202,6 +202,12 @@ class CheckpointCoordinator(StepHooks):
         self.drain_acks()
         self.store.refresh()
 
+    def adopt_profile(self, profile: dict[str, float]) -> None:
+        """Plan from a peer's measured profile (a replacement joining a running job: every
+        rank must plan windows at the same iterations, since they agree on W together)."""
+        self.profile = dict(profile)
+        self.planner.set_profile(profile["iteration_time_s"], profile["bandwidth_bytes_per_s"])
+
     def lose_host_state(self) -> None:
         """What a dead worker's host memory held is gone: its snapshots and the replicas
         it held for its peers."""

@@ -121,6 +121,11 @@ class PeerFailureHandler(StepHooks):
                     attempt.formed = False
                     attempt.rounds += 1
             report = outcome.report
+            profiles: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(profiles, self.coordinator.profile)
+            known = next((p for p in profiles if p is not None), None)
+            if self.coordinator.profile is None and known is not None:
+                self.coordinator.adopt_profile(known)  # a replacement plans like the others
             # Forward/backward passes each paused rank ran during the recovery (must be 0).
             paused: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(paused, None if report is not None
@@ -148,6 +153,11 @@ class PeerFailureHandler(StepHooks):
         views: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(views, (attempt.step, sorted(attempt.failed)))
         steps = [step for step, _ in views]
+        if all(step is None for step in steps):
+            raise NoUsableCheckpointError(
+                "every rank of the job failed at once: no survivor holds live state, host "
+                "snapshots or replicas to recover from (a durable checkpoint, "
+                "checkpoint.durable_every with api=trainer, survives this)")
         failed_step = min(step for step in steps if step is not None)
         # A survivor past the others holds a state nobody else can match: roll it back.
         attempt.failed |= {rank for rank, step in enumerate(steps)

@@ -24,11 +24,13 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore, distributed_c10d
 
+from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
 from lightning_moe_ckpt.recovery.supervisor import (
     ENV_GENERATION,
     ENV_REPLACES,
     ENV_SPARE,
     ENV_STORE,
+    EXIT_UNRECOVERABLE,
     heartbeat_key,
 )
 
@@ -69,7 +71,9 @@ _THIS_PROCESS: dict[str, JobStore] = {}  # this process's handle, by store addre
 
 @contextmanager
 def exit_on_error() -> Iterator[None]:
-    """Turn an exception escaping a worker into an immediate ``exit 1`` after its traceback.
+    """Turn an exception escaping a worker into an immediate exit after its traceback:
+    code 1, or ``EXIT_UNRECOVERABLE`` when nothing is left to recover from (the supervisor
+    then stops the job instead of replacing the worker).
 
     A worker that raised still holds process groups whose peers are alive and a heartbeat
     thread; tearing those down in interpreter finalization can abort the process (SIGABRT,
@@ -84,7 +88,7 @@ def exit_on_error() -> Iterator[None]:
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(EXIT_UNRECOVERABLE if isinstance(error, NoUsableCheckpointError) else 1)
 
 
 @dataclass

@@ -42,6 +42,9 @@ ENV_REPLACES = "MOE_REPLACES"  # set in a replacement: the generation it joins
 ENV_STORE = "MOE_STORE"  # host:port of the supervisor's store
 ENV_SPARE = "MOE_SPARE"  # set in a warm spare: its index (it waits for a rank)
 POLL_S = 0.05
+# A worker's exit code for "no recovery can succeed" (nothing left to recover from): the
+# supervisor stops the job instead of replacing the worker again.
+EXIT_UNRECOVERABLE = 86
 
 
 def heartbeat_key(rank: int, pid: int) -> str:
@@ -121,6 +124,13 @@ class Supervisor:
                         failed[rank] = "hang"
                 if not failed:
                     continue
+                hopeless = sorted(r for r, why in failed.items()
+                                  if why == f"exit {EXIT_UNRECOVERABLE}")
+                if hopeless:
+                    self._stop({**workers, **{-1 - i: p for i, p in idle}})
+                    print(f"supervisor: rank(s) {hopeless} found nothing to recover from "
+                          "(their error is above); the job stops", file=sys.stderr, flush=True)
+                    return 1
                 if len(self.replacements) + len(failed) > self.max_restarts:
                     self._stop({**workers, **{-1 - i: p for i, p in idle}})
                     ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
