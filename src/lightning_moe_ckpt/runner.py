@@ -341,6 +341,8 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
         checkpointing.close()
     if peer is not None:
         peer.close()
+    if job is not None:
+        job.training_finished()
     for logger in fabric.loggers:
         logger.finalize("success")
     return TrainedState(engine, settings.max_steps, fabric.global_rank, shard,

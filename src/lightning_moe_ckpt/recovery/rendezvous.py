@@ -31,6 +31,7 @@ from lightning_moe_ckpt.recovery.supervisor import (
     ENV_SPARE,
     ENV_STORE,
     EXIT_UNRECOVERABLE,
+    FINISHED_KEY,
     heartbeat_key,
 )
 
@@ -170,6 +171,10 @@ class JobStore:
                 store.add(key, done - published)
                 published = done
             self._newest_seen = int(store.get("generation"))
+
+    def training_finished(self) -> None:
+        """This worker's training loop ended (the supervisor times the job's training)."""
+        self.store.add(FINISHED_KEY, 1)
 
     def stop_heartbeat(self) -> None:
         """Training is over: stop the heartbeat thread (before the interpreter exits, so

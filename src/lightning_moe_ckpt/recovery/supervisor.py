@@ -47,6 +47,9 @@ POLL_S = 0.05
 EXIT_UNRECOVERABLE = 86
 
 
+FINISHED_KEY = "finished"  # counter: workers whose training loop ended
+
+
 def heartbeat_key(rank: int, pid: int) -> str:
     """The store counter a worker process bumps (per process: a replacement starts anew)."""
     return f"hb/{rank}/{pid}"
@@ -82,7 +85,8 @@ class Supervisor:
     pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
     spare_pids: list[int] = field(default_factory=list)  # the warm spares started
     # Since the job started: when every rank began its first iteration; and from then to
-    # the last worker's exit (training, recoveries and replacements, without start-up).
+    # the end of every rank's training loop (recoveries and replacements included; start-up
+    # and writing the results not).
     training_started_s: float | None = None
     training_s: float | None = None
 
@@ -109,6 +113,10 @@ class Supervisor:
                 time.sleep(POLL_S)
                 if self.training_started_s is None and all(b[0] > 0 for b in beats.values()):
                     self.training_started_s = time.monotonic() - self.started
+                if (self.training_s is None and self.training_started_s is not None
+                        and int(store.add(FINISHED_KEY, 0)) >= self.world_size):
+                    self.training_s = (time.monotonic() - self.started
+                                       - self.training_started_s)
                 failed: dict[int, str] = {}
                 for rank, process in workers.items():
                     if rank in done:
@@ -166,7 +174,8 @@ class Supervisor:
         except BaseException:
             self._stop({**workers, **{-1 - i: p for i, p in idle}})
             raise
-        self.training_s = time.monotonic() - self.started - (self.training_started_s or 0.0)
+        if self.training_s is None:  # they finished between two polls
+            self.training_s = time.monotonic() - self.started - (self.training_started_s or 0.0)
         for index, _ in idle:  # training is over: the unused spares leave
             store.set(f"spare/{index}", json.dumps(None))
         self._stop({-1 - i: p for i, p in idle}, grace_s=self.timeout_s)
