@@ -26,6 +26,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
+from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
 from lightning_moe_ckpt.errors import require
@@ -42,6 +43,7 @@ from lightning_moe_ckpt.recovery.rendezvous import (
 from lightning_moe_ckpt.recovery.supervisor import Supervisor, report_of
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
 from lightning_moe_ckpt.targets.base import IterationAborted
+from lightning_moe_ckpt.targets.lightning import align_trainer_step
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.hf_module import HFLanguageModule
@@ -164,9 +166,9 @@ def _supervise(settings: RunSettings) -> dict[str, Any]:
     require(settings.layout.world_size > 1,
             f"{why}: real failures need several worker processes (a layout with "
             "parallel.pp x dp x ep > 1)")
-    require(settings.api == "fabric",
-            f"{why}: real failures are recovered with api=fabric in this version "
-            f"(api={settings.api})")
+    require(settings.model.family == "builtin",
+            f"{why}: real failures are recovered for the built-in model in this version "
+            f"(model.family={settings.model.family!r})")
     require(settings.checkpoint.policy not in ("none", *PEER_POLICIES),
             f"{why}: real failures are recovered from sparse checkpoints "
             f"(checkpoint={settings.checkpoint.policy})")
@@ -190,6 +192,97 @@ def _supervise(settings: RunSettings) -> dict[str, Any]:
     return metrics
 
 
+def _handle_peer_failures(settings: RunSettings, job: JobStore, engine: TrainingEngine,
+                          checkpointing: SparseCheckpointing,
+                          injector: FailureInjector | None, core: Any,
+                          device: torch.device) -> PeerFailureHandler:
+    """Hook real-failure recovery into ``engine`` (after checkpointing and the injector
+    attached); a replacement recovers its rank's state here, before its first iteration."""
+    coordinator = checkpointing.coordinator
+    assert coordinator is not None
+
+    def reform_groups() -> None:
+        core.reform(engine, device)
+        coordinator.reform_replication()
+
+    def warm_up() -> None:
+        executor = engine.executor
+        assert isinstance(executor, DistributedExecutor)
+        executor.warm_up(settings.global_batch // (settings.layout.microbatches
+                                                   * settings.layout.data_shards),
+                         settings.data.seq_len)
+
+    handler = PeerFailureHandler(job, engine, coordinator, reform_groups, warm_up,
+                                 dist.get_backend(), checkpointing.upstream_log)
+    engine.hooks.insert(0, handler)  # heartbeat and generation check come first
+    if job.replaces is not None:
+        handler.join_as_replacement()
+        if injector is not None:  # this rank's own fault is behind it
+            injector.real_from = engine.step + 1
+    if injector is not None:  # from now on, real faults in phase "recovery" can strike
+        handler.recovery_started = injector.fail_during_recovery
+    return handler
+
+
+class _RecoverRealFailures(L.Callback):
+    """The Trainer API under the supervisor: attaches checkpointing and the injector when
+    fitting starts (a replacement takes no initial snapshot), hooks real-failure recovery
+    in, and moves a replacement's Trainer to the step it recovered, so that its data,
+    validation and ``max_steps`` line up with the survivors' before the data loaders are
+    built."""
+
+    def __init__(self, settings: RunSettings, job: JobStore,
+                 checkpointing: SparseCheckpointing, injector: FailureInjector | None) -> None:
+        self.settings, self.job = settings, job
+        self.checkpointing, self.injector = checkpointing, injector
+        self.handler: PeerFailureHandler | None = None
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert isinstance(pl_module, MoELanguageModule)
+        engine = pl_module.engine_or_raise()
+        self.checkpointing.attach(engine, rank=trainer.global_rank,
+                                  world_size=trainer.world_size,
+                                  ranks_per_node=max(1, trainer.num_devices),
+                                  device=pl_module.device,
+                                  take_initial=self.job.replaces is None)
+        if self.injector is not None:
+            self.injector.trainer = trainer
+            self.injector.attach(engine, trainer.global_rank, trainer.world_size)
+        strategy = trainer.strategy
+        assert isinstance(strategy, TrainerMoEParallelStrategy)
+        self.handler = _handle_peer_failures(self.settings, self.job, engine,
+                                             self.checkpointing, self.injector,
+                                             strategy.core, pl_module.device)
+        align_trainer_step(trainer, engine.step)
+        if self.job.replaces is not None:
+            _skip_first_sigterm_broadcast(trainer)
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, TrainerMoEParallelStrategy)
+        strategy.joining_running_job = False  # from its first batch on, in step with all
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.job.training_finished()
+
+
+def _skip_first_sigterm_broadcast(trainer: L.Trainer) -> None:
+    """Lightning broadcasts a SIGTERM flag from rank 0 before every batch (outside the
+    strategy). The survivors made that broadcast for the batch the failure interrupted and
+    retry it inside its training step, so a replacement joining at that batch skips it."""
+    loop = trainer.fit_loop.epoch_loop
+    broadcast = loop._broadcast_sigterm_tensor
+
+    def skip_once() -> None:
+        loop._broadcast_sigterm_tensor = broadcast  # type: ignore[method-assign]
+
+    loop._broadcast_sigterm_tensor = skip_once  # type: ignore[method-assign]
+
+
 def _train_with_trainer(settings: RunSettings, data: RunData,
                         history: TrainingHistory) -> TrainedState:
     module = MoELanguageModule(settings, history, data)
@@ -198,6 +291,11 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
     distributed = settings.layout.world_size > 1
     strategy: Any = (TrainerMoEParallelStrategy(**_strategy_args(settings)) if distributed
                      else "auto")
+    job = _job_store(settings)
+    recovery = (_RecoverRealFailures(settings, job, checkpointing, injector)
+                if job is not None and checkpointing is not None and distributed else None)
+    if recovery is not None:
+        strategy.joining_running_job = job is not None and job.replaces is not None
     trainer = L.Trainer(
         strategy=strategy, precision="32-true", max_steps=settings.max_steps,
         logger=_csv_logger(settings), enable_checkpointing=False,
@@ -205,14 +303,15 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
         num_sanity_val_steps=0, val_check_interval=settings.val_every,
         check_val_every_n_epoch=None, log_every_n_steps=settings.log_every,
         default_root_dir=settings.out_dir, use_distributed_sampler=False,
-        callbacks=[c for c in (checkpointing, injector) if c is not None],
+        callbacks=[c for c in (checkpointing, injector, recovery) if c is not None],
         plugins=[AsyncCheckpointIO()] if settings.checkpoint.durable_every else None,
         **(_launch_settings(settings) if distributed else {"accelerator": "cpu", "devices": 1}),
     )
     trainer.fit(module, ckpt_path=settings.ckpt_path)
     core = strategy.core if distributed else None
     return TrainedState(module._engine(), trainer.global_step, trainer.global_rank,
-                        module.data_shard, core, checkpointing, injector)
+                        module.data_shard, core, checkpointing, injector,
+                        peer_failures=None if recovery is None else recovery.handler)
 
 
 def _train_hf_with_trainer(settings: RunSettings, data: RunData,
@@ -276,29 +375,8 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
               "recovery.supervise=true to have it replaced and recovered", file=sys.stderr,
               flush=True)
     if job is not None and checkpointing is not None and distributed:
-        coordinator = checkpointing.coordinator
-        assert coordinator is not None
-
-        def reform_groups() -> None:
-            strategy.core.reform(engine, fabric.device)
-            coordinator.reform_replication()
-
-        def warm_up() -> None:
-            executor = engine.executor
-            assert isinstance(executor, DistributedExecutor)
-            executor.warm_up(settings.global_batch // (settings.layout.microbatches
-                                                       * settings.layout.data_shards),
-                             settings.data.seq_len)
-
-        handler = PeerFailureHandler(job, engine, coordinator, reform_groups, warm_up,
-                                     dist.get_backend(), checkpointing.upstream_log)
-        engine.hooks.insert(0, handler)  # heartbeat and generation check come first
-        if job.replaces is not None:
-            handler.join_as_replacement()
-            if injector is not None:  # this rank's own fault is behind it
-                injector.real_from = engine.step + 1
-        if injector is not None:  # from now on, real faults in phase "recovery" can strike
-            handler.recovery_started = injector.fail_during_recovery
+        handler = _handle_peer_failures(settings, job, engine, checkpointing, injector,
+                                        strategy.core, fabric.device)
     peer = _peer_checkpointing(settings, engine, fabric.global_rank, fabric.world_size)
     layer_ids = list(range(settings.model.n_layers))
     metrics = ValidationMetrics()

@@ -227,3 +227,15 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_trainer_api_kill_and_kill_of_rank_0_recover_bitwise(
+        tmp_path: Path, golden_pp2: Path) -> None:
+    """The Trainer API under the supervisor: rank 1 is killed at step 4 and rank 0 at step
+    7; each replacement's Trainer resumes at the recovered step with its peers."""
+    trainer_pp2 = [o.replace("api=fabric", "api=trainer") for o in PP2]
+    result = run_recipe(tmp_path, *trainer_pp2, "faults=at", "faults.kind=kill",
+                        "faults.events=[{step: 4, rank: 1}, {step: 7, rank: 0}]")
+    assert result.returncode == 0, result.stderr[-4000:]
+    _replaced_ranks(tmp_path, {0: "exit -9", 1: "exit -9"}, world=2)
+    assert_states_equal(golden_pp2 / "final_state.pt", tmp_path / "final_state.pt")

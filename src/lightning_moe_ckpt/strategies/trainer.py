@@ -57,6 +57,10 @@ class MoEParallelStrategy(ParallelStrategy):
         self._timeout = timeout
         # Under the supervisor: the hang timeout the collective timeout is derived from.
         self.recovery_timeout_s = recovery_timeout_s
+        # A replacement joining a running job: the Trainer's own start-up collectives
+        # (log directory, barriers) stay local, since the survivors are recovering and
+        # will not mirror them; it joins their collectives at its recovery.
+        self.joining_running_job = False
 
     @property
     @override
@@ -145,17 +149,18 @@ class MoEParallelStrategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Any, group: Any | None = None,
                reduce_op: Any | None = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
+        if isinstance(tensor, torch.Tensor) and not self.joining_running_job:
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        barrier()
+        if not self.joining_running_job:
+            barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return broadcast_object(obj, src)
+        return obj if self.joining_running_job else broadcast_object(obj, src)
 
     @classmethod
     @override

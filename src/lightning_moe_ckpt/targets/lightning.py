@@ -117,3 +117,17 @@ class LightningTarget(UserLoopTarget):
 
         self.module.optimizer_step(trainer.current_epoch, record.batch_idx, optimizer,
                                    closure)
+
+
+def align_trainer_step(trainer: L.Trainer, step: int) -> None:
+    """Make a Trainer running manual optimization count ``step`` optimizer steps and
+    batches, as if it had run them: a replacement joins a running job at ``step``, and a
+    survivor whose iteration a peer's failure aborted (after its optimizer stepped,
+    possibly) goes on at ``step``. Data position, validation and ``max_steps`` follow
+    these counters, and they must agree on every rank."""
+    loop = trainer.fit_loop.epoch_loop
+    optimizer_steps = loop.manual_optimization.optim_step_progress.total
+    optimizer_steps.ready = optimizer_steps.completed = step
+    for counter in ("ready", "started", "processed", "completed"):  # batches seen in total
+        setattr(loop.batch_progress.total, counter, step)
+    loop._batches_that_stepped = step  # the logging step

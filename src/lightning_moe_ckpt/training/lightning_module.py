@@ -18,6 +18,8 @@ import lightning as L
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_moe_ckpt.targets.base import IterationAborted
+from lightning_moe_ckpt.targets.lightning import align_trainer_step
 from lightning_moe_ckpt.training.core import language_model_loss
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
@@ -98,9 +100,18 @@ class MoELanguageModule(L.LightningModule):
                                f"optimizer step {self.global_step}")
         wrapped = self.optimizers()
         assert not isinstance(wrapped, list)
-        self.history.start_iteration()
-        result = self._engine().train_iteration(batch["inputs"], batch["targets"],
-                                                self.manual_backward, wrapped.step)
+        engine = self._engine()
+        inputs, targets = batch["inputs"], batch["targets"]
+        while True:
+            self.history.start_iteration()
+            try:
+                result = engine.train_iteration(inputs, targets, self.manual_backward,
+                                                wrapped.step)
+                break
+            except IterationAborted:  # a peer really failed and the job recovered
+                align_trainer_step(self.trainer, engine.step)
+                assert engine.batch is not None  # configure_model set it
+                inputs, targets = engine.batch(engine.step)
         self.history.record(result)
         values = step_log_values(result, self._layer_ids)
         self.log("train/loss", values.pop("train/loss"), prog_bar=True, rank_zero_only=True)
