@@ -370,10 +370,6 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     if injector is not None:
         injector.attach(engine, fabric.global_rank, fabric.world_size)
     handler = None
-    if job is None and checkpointing is not None and distributed and fabric.global_rank == 0:
-        print("note: without the supervisor a worker that really dies ends the job; set "
-              "recovery.supervise=true to have it replaced and recovered", file=sys.stderr,
-              flush=True)
     if job is not None and checkpointing is not None and distributed:
         handler = _handle_peer_failures(settings, job, engine, checkpointing, injector,
                                         strategy.core, fabric.device)
@@ -464,6 +460,11 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
             if job is not None:  # its helper thread ends before the interpreter does
                 job.stop_heartbeat()
             return metrics
+    if (settings.layout.world_size > 1 and settings.checkpoint.policy != "none"
+            and os.environ.get("LOCAL_RANK", "0") == "0"):  # once, from the first process
+        print("note: without the supervisor a worker that really dies ends the job; set "
+              "recovery.supervise=true to have it replaced and recovered", file=sys.stderr,
+              flush=True)
     return _train_and_write(settings)
 
 

@@ -121,7 +121,7 @@ class RecoverySettings:
     timeout_s: float = 60.0
     max_restarts: int = 3  # replacements before the job gives up
     # Run the workers under the supervisor: "auto" when real faults are injected or warm
-    # spares are asked for; true for any multi-process Fabric job (real failures from
+    # spares are asked for; true for any multi-process job (real failures from
     # outside, e.g. a kill -9, are then recovered); false never.
     supervise: bool | str = "auto"
 
