@@ -460,7 +460,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
             if job is not None:  # its helper thread ends before the interpreter does
                 job.stop_heartbeat()
             return metrics
-    if (settings.layout.world_size > 1 and settings.checkpoint.policy != "none"
+    if (settings.layout.world_size > 1
+            and settings.checkpoint.policy not in ("none", *PEER_POLICIES)
             and os.environ.get("LOCAL_RANK", "0") == "0"):  # once, from the first process
         print("note: without the supervisor a worker that really dies ends the job; set "
               "recovery.supervise=true to have it replaced and recovered", file=sys.stderr,
