@@ -254,7 +254,7 @@ class _RecoverRealFailures(L.Callback):
         self.handler = _handle_peer_failures(self.settings, self.job, engine,
                                              self.checkpointing, self.injector,
                                              strategy.core, pl_module.device)
-        align_trainer_step(trainer, engine.step)
+        align_trainer_step(trainer, engine.step, batches=True)
         if self.job.replaces is not None:
             _skip_first_sigterm_broadcast(trainer)
 

@@ -45,8 +45,6 @@ POLL_S = 0.05
 # A worker's exit code for "no recovery can succeed" (nothing left to recover from): the
 # supervisor stops the job instead of replacing the worker again.
 EXIT_UNRECOVERABLE = 86
-
-
 FINISHED_KEY = "finished"  # counter: workers whose training loop ended
 
 
@@ -135,12 +133,12 @@ class Supervisor:
                 hopeless = sorted(r for r, why in failed.items()
                                   if why == f"exit {EXIT_UNRECOVERABLE}")
                 if hopeless:
-                    self._stop({**workers, **{-1 - i: p for i, p in idle}})
+                    self._stop(_every_process(workers, idle))
                     print(f"supervisor: rank(s) {hopeless} found nothing to recover from "
                           "(their error is above); the job stops", file=sys.stderr, flush=True)
                     return 1
                 if len(self.replacements) + len(failed) > self.max_restarts:
-                    self._stop({**workers, **{-1 - i: p for i, p in idle}})
+                    self._stop(_every_process(workers, idle))
                     ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
                     print(f"supervisor: {ranks} failed after {len(self.replacements)} "
                           f"replacements (recovery.max_restarts={self.max_restarts}); "
@@ -172,13 +170,13 @@ class Supervisor:
                           json.dumps([vars(r) for r in self.replacements
                                       if r.generation == generation]))
         except BaseException:
-            self._stop({**workers, **{-1 - i: p for i, p in idle}})
+            self._stop(_every_process(workers, idle))
             raise
         if self.training_s is None:  # they finished between two polls
             self.training_s = time.monotonic() - self.started - (self.training_started_s or 0.0)
         for index, _ in idle:  # training is over: the unused spares leave
             store.set(f"spare/{index}", json.dumps(None))
-        self._stop({-1 - i: p for i, p in idle}, grace_s=self.timeout_s)
+        self._stop(_every_process({}, idle), grace_s=self.timeout_s)
         return 0
 
     def _start(self, base: dict[str, str], rank: int, generation: int,
@@ -223,6 +221,13 @@ class Supervisor:
                 process.kill()
         for process in workers.values():
             process.wait()
+
+
+def _every_process(workers: dict[int, subprocess.Popen[bytes]],
+                   idle: list[tuple[int, subprocess.Popen[bytes]]]
+                   ) -> dict[int, subprocess.Popen[bytes]]:
+    """The workers by rank and the idle spares (under negative keys), to stop them all."""
+    return {**workers, **{-1 - index: process for index, process in idle}}
 
 
 def report_of(replacements: Sequence[Replacement]) -> list[dict[str, Any]]:

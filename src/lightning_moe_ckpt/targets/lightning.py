@@ -119,15 +119,19 @@ class LightningTarget(UserLoopTarget):
                                    closure)
 
 
-def align_trainer_step(trainer: L.Trainer, step: int) -> None:
-    """Make a Trainer running manual optimization count ``step`` optimizer steps and
-    batches, as if it had run them: a replacement joins a running job at ``step``, and a
-    survivor whose iteration a peer's failure aborted (after its optimizer stepped,
-    possibly) goes on at ``step``. Data position, validation and ``max_steps`` follow
-    these counters, and they must agree on every rank."""
+def align_trainer_step(trainer: L.Trainer, step: int, batches: bool) -> None:
+    """Make a Trainer running manual optimization count ``step`` optimizer steps (and,
+    with ``batches``, ``step`` batches run), as if it had run them.
+
+    A replacement joins a running job at ``step`` before its first batch: both counts are
+    set. A survivor whose iteration a peer's failure aborted (possibly after its optimizer
+    stepped) retries it inside the same batch: only the optimizer steps are set back, the
+    batch it is in counts once. Data position, validation and ``max_steps`` follow these
+    counters, and they must agree on every rank."""
     loop = trainer.fit_loop.epoch_loop
     optimizer_steps = loop.manual_optimization.optim_step_progress.total
     optimizer_steps.ready = optimizer_steps.completed = step
-    for counter in ("ready", "started", "processed", "completed"):  # batches seen in total
-        setattr(loop.batch_progress.total, counter, step)
-    loop._batches_that_stepped = step  # the logging step
+    if batches:
+        for counter in ("ready", "started", "processed", "completed"):
+            setattr(loop.batch_progress.total, counter, step)
+        loop._batches_that_stepped = step  # the logging step

@@ -109,7 +109,7 @@ class MoELanguageModule(L.LightningModule):
                                                 wrapped.step)
                 break
             except IterationAborted:  # a peer really failed and the job recovered
-                align_trainer_step(self.trainer, engine.step)
+                align_trainer_step(self.trainer, engine.step, batches=False)
                 assert engine.batch is not None  # configure_model set it
                 inputs, targets = engine.batch(engine.step)
         self.history.record(result)
