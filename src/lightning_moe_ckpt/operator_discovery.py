@@ -44,6 +44,7 @@ from lightning_moe_ckpt.operators import (
     Piece,
     expert_position,
 )
+from lightning_moe_ckpt.parallel.fused_experts import ExpertShard
 
 _SHARED = frozenset({"shared_expert", "shared_experts", "shared_expert_gate"})
 _ROUTER = frozenset({"gate", "router"})
@@ -90,10 +91,11 @@ def _override_of(override: OperatorOverride | None) -> Callable[[str, nn.Paramet
                       "to operator names or a callable (name, param) -> operator name")
 
 
-def _fused_experts(model: nn.Module, container: str | None) -> dict[str, int]:
+def _fused_experts(model: nn.Module, container: str | None) -> dict[str, tuple[int, int]]:
     """Fused expert parameters (owned directly by an ``experts`` module inside a block)
-    and their expert count (dim 0, equal for every parameter of one experts module)."""
-    fused: dict[str, int] = {}
+    with ``(experts held, global id of the first)``: dim 0, equal for every parameter of
+    one experts module; an expert-parallel shard holds a block starting past zero."""
+    fused: dict[str, tuple[int, int]] = {}
     for path, module in model.named_modules():
         if path.split(".")[-1] != "experts" or isinstance(module, nn.ModuleList):
             continue
@@ -106,12 +108,13 @@ def _fused_experts(model: nn.Module, container: str | None) -> dict[str, int]:
             raise ConfigError(f"fused experts module {path!r} holds parameters that do not "
                               f"share an expert dimension 0 ({shapes}); assign them with "
                               "SparseCheckpointing(..., operators=...)")
-        fused.update({f"{path}.{name}": count for name, count in counts.items()})
+        first = module.first_expert if isinstance(module, ExpertShard) else 0
+        fused.update({f"{path}.{name}": (count, first) for name, count in counts.items()})
     return fused
 
 
 def _inside_block(block: str, layer: int, rest: str, param: nn.Parameter,
-                  name: str, fused: Mapping[str, int]) -> list[Assignment]:
+                  name: str, fused: Mapping[str, tuple[int, int]]) -> list[Assignment]:
     parts = rest.split(".")
     for i, part in enumerate(parts[:-1]):
         if part == "experts" and parts[i + 1].isdigit() and i + 2 < len(parts):
@@ -120,8 +123,9 @@ def _inside_block(block: str, layer: int, rest: str, param: nn.Parameter,
             return [(operator, "expert", layer, expert, Piece(name, param))]
     if name in fused:
         prefix = ".".join([block, *parts[:-1]])
-        return [(f"{prefix}.{e}", "expert", layer, e, Piece(name, param, e))
-                for e in range(fused[name])]
+        count, first = fused[name]
+        return [(f"{prefix}.{first + e}", "expert", layer, first + e, Piece(name, param, e))
+                for e in range(count)]
     for i, part in enumerate(parts[:-1]):
         if part in _SHARED:
             operator = ".".join([block, *parts[:i], "shared_experts"])

@@ -27,8 +27,9 @@ from torch import nn
 from lightning_moe_ckpt.models.moe import MoELayer
 
 
-def _all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all_autograd(tensor: torch.Tensor, output_splits: list[int],
+                        input_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` with explicit split sizes (gloo and NCCL)."""
     out = fcol.all_to_all_single_autograd(tensor, output_splits, input_splits, group)
     return fcol.wait_tensor(out) if isinstance(out, fcol.AsyncCollectiveTensor) else out
 
@@ -59,7 +60,7 @@ class ExpertParallelDispatch:
                         for r in range(self.ep_size)]
         output_splits: list[int] = recv.sum(dim=1).tolist()
         expert_sizes: list[int] = recv.sum(dim=0).tolist()
-        received = _all_to_all(tokens, output_splits, input_splits, self.group)
+        received = all_to_all_autograd(tokens, output_splits, input_splits, self.group)
 
         # Received rows come in (source, expert) blocks; a stable sort on the block's
         # (expert, source) key makes them expert-major without a per-token Python loop.
@@ -72,7 +73,7 @@ class ExpertParallelDispatch:
         outputs = torch.cat([self.experts[str(expert)](chunk)
                              for expert, chunk in zip(self.local_experts, chunks, strict=True)])
         source_major = outputs.new_empty(outputs.shape).index_copy(0, permutation, outputs)
-        return _all_to_all(source_major, input_splits, output_splits, self.group)
+        return all_to_all_autograd(source_major, input_splits, output_splits, self.group)
 
 
 def enable_expert_parallel(model: nn.Module, group: dist.ProcessGroup,

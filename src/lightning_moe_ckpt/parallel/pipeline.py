@@ -16,16 +16,16 @@ exactly as the single-process reference does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from typing_extensions import override
 
-from lightning_moe_ckpt.parallel.partition import StageModule
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -119,7 +119,7 @@ class HookedPipelineStage(PipelineStage):
 class PipelineRunner:
     """A pipeline rank's stages and schedule; runs one iteration's micro-batches."""
 
-    def __init__(self, stages: list[StageModule], plan: ParallelPlan, pp_rank: int,
+    def __init__(self, stages: Sequence[nn.Module], plan: ParallelPlan, pp_rank: int,
                  group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
                  micro_batch: int, seq_len: int, d_model: int, vocab_size: int,
                  loss_fn: LossFn, hooks: list[BoundaryHook]) -> None:
