@@ -44,7 +44,6 @@ from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 from lightning_moe_ckpt.targets.base import StepHooks
 from lightning_moe_ckpt.training.engine import TrainingEngine
 
-_POLL_S = 0.05
 Reform = Callable[[], None]  # rebuild the mesh, executor and replication groups
 WarmUp = Callable[[], None]  # a collective first pass through the rebuilt pipeline
 
@@ -74,13 +73,9 @@ class PeerFailureHandler(StepHooks):
 
     @override
     def iteration_failed(self, step: int, error: BaseException) -> bool:
-        deadline = time.monotonic() + self.job.timeout.total_seconds()
-        with self.job.busy():
-            # A peer's failure shows up as a new generation once the supervisor saw it.
-            while self.job.current_generation() == self.job.generation:
-                if time.monotonic() > deadline:
-                    return False  # no peer failed: this error is the process's own
-                time.sleep(_POLL_S)
+        # A peer's failure shows up as a new generation once the supervisor saw it.
+        if not self.job.await_new_generation():
+            return False  # no peer failed: this error is the process's own
         self.recover_now()
         return True
 
