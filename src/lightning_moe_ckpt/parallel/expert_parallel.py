@@ -19,6 +19,8 @@ micro-batch, as in torchtitan's non-grouped expert path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
@@ -34,46 +36,57 @@ def all_to_all_autograd(tensor: torch.Tensor, output_splits: list[int],
     return fcol.wait_tensor(out) if isinstance(out, fcol.AsyncCollectiveTensor) else out
 
 
+def exchange_with_owners(tokens: torch.Tensor, send_counts: torch.Tensor,
+                         group: dist.ProcessGroup, per_rank: int,
+                         run_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                         ) -> torch.Tensor:
+    """Send expert-sorted ``tokens`` (``send_counts[e]`` rows for global expert ``e``,
+    experts in contiguous blocks of ``per_rank`` per rank) to their experts' owners, run
+    ``run_local(rows expert-major, rows per local expert)`` there and return its outputs
+    to the senders, in the caller's row order (collective over ``group``)."""
+    if torch.is_grad_enabled() and not tokens.requires_grad:
+        # Frozen replay can leave this rank's tokens without a grad path (first stage,
+        # everything before the layer frozen) while a peer's experts are active: the
+        # backward all-to-alls must still run here, or the peers' collectives hang.
+        tokens = tokens.detach().requires_grad_()
+    ep_size = dist.get_world_size(group)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    # recv[s][j]: tokens source s sends for my j-th local expert.
+    recv = recv_counts.view(ep_size, per_rank)
+    input_splits: list[int] = send_counts.view(ep_size, per_rank).sum(dim=1).tolist()
+    output_splits: list[int] = recv.sum(dim=1).tolist()
+    received = all_to_all_autograd(tokens, output_splits, input_splits, group)
+
+    # Received rows come in (source, expert) blocks; a stable sort on the block's
+    # (expert, source) key makes them expert-major without a per-token Python loop.
+    blocks = torch.arange(ep_size * per_rank, device=tokens.device)
+    expert_major_key = (blocks % per_rank) * ep_size + blocks // per_rank
+    row_key = torch.repeat_interleave(expert_major_key, recv_counts,
+                                      output_size=sum(output_splits))
+    permutation = torch.argsort(row_key, stable=True)
+    outputs = run_local(received[permutation], recv.sum(dim=0))
+    source_major = outputs.new_empty(outputs.shape).index_copy(0, permutation, outputs)
+    return all_to_all_autograd(source_major, input_splits, output_splits, group)
+
+
 class ExpertParallelDispatch:
     """Callable standing in for ``MoELayer.run_experts`` on one expert-parallel rank."""
 
     def __init__(self, layer: MoELayer, group: dist.ProcessGroup, local_experts: range) -> None:
         self.experts: nn.ModuleDict = layer.experts
         self.group = group
-        self.ep_size = dist.get_world_size(group)
         self.local_experts = local_experts
-        self.n_experts = layer.n_experts
 
     def __call__(self, tokens: torch.Tensor, counts_per_expert: list[int]) -> torch.Tensor:
-        per_rank = len(self.local_experts)
-        if torch.is_grad_enabled() and not tokens.requires_grad:
-            # Frozen replay can leave this rank's tokens without a grad path (first stage,
-            # everything before the layer frozen) while a peer's experts are active: the
-            # backward all-to-alls must still run here, or the peers' collectives hang.
-            tokens = tokens.detach().requires_grad_()
         send_counts = torch.tensor(counts_per_expert, dtype=torch.int64, device=tokens.device)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        # recv[s][j]: tokens source s sends for my j-th local expert.
-        recv = recv_counts.view(self.ep_size, per_rank)
-        input_splits = [sum(counts_per_expert[r * per_rank:(r + 1) * per_rank])
-                        for r in range(self.ep_size)]
-        output_splits: list[int] = recv.sum(dim=1).tolist()
-        expert_sizes: list[int] = recv.sum(dim=0).tolist()
-        received = all_to_all_autograd(tokens, output_splits, input_splits, self.group)
+        return exchange_with_owners(tokens, send_counts, self.group, len(self.local_experts),
+                                    self._run_local)
 
-        # Received rows come in (source, expert) blocks; a stable sort on the block's
-        # (expert, source) key makes them expert-major without a per-token Python loop.
-        blocks = torch.arange(self.ep_size * per_rank, device=tokens.device)
-        expert_major_key = (blocks % per_rank) * self.ep_size + blocks // per_rank
-        row_key = torch.repeat_interleave(expert_major_key, recv_counts,
-                                          output_size=sum(output_splits))
-        permutation = torch.argsort(row_key, stable=True)
-        chunks = torch.split(received[permutation], expert_sizes)
-        outputs = torch.cat([self.experts[str(expert)](chunk)
-                             for expert, chunk in zip(self.local_experts, chunks, strict=True)])
-        source_major = outputs.new_empty(outputs.shape).index_copy(0, permutation, outputs)
-        return all_to_all_autograd(source_major, input_splits, output_splits, self.group)
+    def _run_local(self, tokens: torch.Tensor, expert_sizes: torch.Tensor) -> torch.Tensor:
+        chunks = torch.split(tokens, expert_sizes.tolist())
+        return torch.cat([self.experts[str(expert)](chunk)
+                          for expert, chunk in zip(self.local_experts, chunks, strict=True)])
 
 
 def enable_expert_parallel(model: nn.Module, group: dist.ProcessGroup,

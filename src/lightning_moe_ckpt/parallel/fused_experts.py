@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_moe_ckpt.parallel.expert_parallel import all_to_all_autograd
+from lightning_moe_ckpt.parallel.expert_parallel import exchange_with_owners
 
 
 class ExpertShard(nn.Module):
@@ -42,49 +42,29 @@ class ExpertShard(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, slots = top_k_index.shape
-        if torch.is_grad_enabled() and not hidden_states.requires_grad:
-            # Frozen replay can leave this rank's tokens without a grad path while a peer's
-            # experts are active: the backward all-to-alls must run here too, or they hang.
-            hidden_states = hidden_states.detach().requires_grad_()
         expert_of_slot = top_k_index.reshape(-1)
         order = torch.argsort(expert_of_slot, stable=True)
-        counts = torch.bincount(expert_of_slot, minlength=self.global_experts)
         # One host sync per layer and micro-batch: the split sizes size the collectives.
-        send_counts = counts.to(torch.int64)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
-        ep_size = self.global_experts // self.local_experts
-        per_rank = self.local_experts
-        recv = recv_counts.view(ep_size, per_rank)
-        input_splits: list[int] = send_counts.view(ep_size, per_rank).sum(dim=1).tolist()
-        output_splits: list[int] = recv.sum(dim=1).tolist()
-        expert_sizes = recv.sum(dim=0)
-        sent = hidden_states[order // slots]
-        received = all_to_all_autograd(sent, output_splits, input_splits, self.ep_group)
-        # Received rows come in (source, expert) blocks; a stable sort on the block's
-        # (expert, source) key makes them expert-major without a per-token Python loop.
-        blocks = torch.arange(ep_size * per_rank, device=received.device)
-        expert_major_key = (blocks % per_rank) * ep_size + blocks // per_rank
-        row_key = torch.repeat_interleave(expert_major_key, recv_counts.to(received.device),
-                                          output_size=sum(output_splits))
-        permutation = torch.argsort(row_key, stable=True)
+        counts = torch.bincount(expert_of_slot, minlength=self.global_experts)
+        returned = exchange_with_owners(hidden_states[order // slots], counts, self.ep_group,
+                                        self.local_experts, self._run_local)
+        slot_out = returned.new_empty(returned.shape).index_copy(0, order, returned)
+        weights = top_k_weights.reshape(tokens, slots, 1).to(slot_out.dtype)
+        return (slot_out.view(tokens, slots, -1) * weights).sum(dim=1)
+
+    def _run_local(self, routed: torch.Tensor, expert_sizes: torch.Tensor) -> torch.Tensor:
+        """The module's own forward over expert-major ``routed`` rows, one slot each with
+        weight one (exact: ``x * 1.0 == x``, each row added once into zeros)."""
         local_index = torch.repeat_interleave(
-            torch.arange(per_rank, device=received.device), expert_sizes.to(received.device),
-            output_size=sum(output_splits)).unsqueeze(1)
-        ones = torch.ones(local_index.shape, dtype=top_k_weights.dtype,
-                          device=received.device)
-        routed = received[permutation]
-        outputs = super().forward(routed, local_index, ones)
+            torch.arange(self.local_experts, device=routed.device), expert_sizes,
+            output_size=routed.shape[0]).unsqueeze(1)
+        ones = torch.ones(local_index.shape, dtype=routed.dtype, device=routed.device)
+        outputs: torch.Tensor = super().forward(routed, local_index, ones)
         if routed.shape[0] == 0 and routed.requires_grad:
             # Nothing routed here: the output is empty but must stay on the graph, or
             # this rank would skip the backward all-to-all its peers run.
             outputs = outputs + routed
-        source_major = outputs.new_empty(outputs.shape).index_copy(0, permutation, outputs)
-        returned = all_to_all_autograd(source_major, input_splits, output_splits,
-                                       self.ep_group)
-        slot_out = returned.new_empty(returned.shape).index_copy(0, order, returned)
-        weights = top_k_weights.reshape(tokens, slots, 1).to(slot_out.dtype)
-        return (slot_out.view(tokens, slots, -1) * weights).sum(dim=1)
+        return outputs
 
 
 _SHARD_CLASSES: dict[type, type] = {}
