@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
@@ -31,6 +32,11 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.parallel.engine import ProcessGroups
+from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn, StagedModel, resolve_plan
+from lightning_moe_ckpt.parallel.staged_executor import StagedExecutor
+from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.strategies.common import (
     assign_world_ranks,
     barrier,
@@ -40,6 +46,7 @@ from lightning_moe_ckpt.strategies.common import (
 )
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
 from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable
 from lightning_moe_ckpt.training.settings import RunSettings
 
 
@@ -49,9 +56,17 @@ class MoEParallelStrategy(ParallelStrategy):
     def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
                  schedule: str = "1f1b", process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
-                 recovery_timeout_s: float = 60.0) -> None:
+                 recovery_timeout_s: float = 60.0, microbatches: int = 1,
+                 parallelize_fn: ParallelizeFn | None = None) -> None:
         super().__init__()
         self.core = MoEParallelCore(pp, dp, ep, schedule)
+        # A user's PipelineTrainable module: its model split by a plan, run by the
+        # staged executor in ``microbatches`` micro-batches per batch.
+        self.microbatches = microbatches
+        self.parallelize_fn = parallelize_fn
+        self.staged: StagedModel | None = None
+        self.staged_executor: StagedExecutor | None = None
+        self._pipeline_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] | None = None
         self.num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -140,6 +155,67 @@ class MoEParallelStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
         self.checkpoint_io.remove_checkpoint(self.rank_checkpoint_path(filepath))
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        module = self.lightning_module
+        if isinstance(module, PipelineTrainable):
+            if trainer.gradient_clip_val:
+                raise ConfigError(
+                    f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported "
+                    "yet for a PipelineTrainable module under MoEParallelStrategy (the norm "
+                    "must span every stage and expert shard)")
+            model = module.parallel_model()
+            plan_fn, _ = resolve_plan(model, self.parallelize_fn)
+            assert self.core.mesh is not None, "the mesh exists after setup_environment()"
+            self.staged = plan_fn(model, self.core.mesh)
+        super().setup(trainer)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        if self.staged is None or not isinstance(module, PipelineTrainable):
+            return super().training_step(*args, **kwargs)
+        inputs, targets = module.split_batch(args[0])
+        count = self.microbatches
+        if inputs.shape[0] % count:
+            raise ConfigError(f"a batch of {inputs.shape[0]} sequences does not split into "
+                              f"parallel.microbatches={count} micro-batches")
+        executor = self._executor_for(module, inputs.shape[0] // count, inputs.shape[-1])
+        loss_sum = executor.forward_backward(inputs.reshape(count, -1, inputs.shape[-1]),
+                                             targets.reshape(count, -1, targets.shape[-1]))
+        # Lightning zeroes gradients between the training step and backward: the
+        # schedule's gradients are handed back in backward().
+        self._pipeline_grads = [(param, param.grad) for param, _ in executor.trainable]
+        return executor.global_loss(loss_sum)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        if self._pipeline_grads is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        grads, self._pipeline_grads = self._pipeline_grads, None
+        for param, grad in grads:
+            param.grad = grad
+        assert self.staged_executor is not None
+        self.staged_executor.reduce_gradients()
+        return closure_loss
+
+    def _executor_for(self, module: PipelineTrainable, micro_batch: int,
+                      seq_len: int) -> StagedExecutor:
+        """The staged executor, built at the first batch (its shapes fix the pipeline's
+        static boundary metadata)."""
+        if self.staged_executor is None:
+            assert self.staged is not None and self.core.mesh is not None
+            coords = self.core.coordinates
+            assert isinstance(self.core.dp, int)
+            plan = ParallelPlan(self.core.pp, self.core.dp, self.core.ep, self.microbatches,
+                                0, 0, self.core.schedule)
+            self.staged_executor = StagedExecutor(
+                self.staged, plan, ProcessGroups.from_mesh(self.core.mesh), coords.pp,
+                self.root_device, micro_batch, seq_len, module.microbatch_loss,
+                self.core.boundary_hooks)
+        return self.staged_executor
 
     @override
     def model_to_device(self) -> None:
