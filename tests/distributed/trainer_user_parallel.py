@@ -7,9 +7,14 @@ Run as a script: ``python tests/distributed/trainer_user_parallel.py PP EP SHARD
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
+
+# One intra-op thread in every layout (Lightning would give each of N processes
+# cores // N), so every layout runs the same CPU kernels.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 import lightning as L
 import torch
@@ -24,7 +29,7 @@ from lightning_moe_ckpt.strategies import TrainerMoEParallelStrategy  # noqa: E4
 from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable  # noqa: E402
 from tests.anymodel.models import qwen3_moe  # noqa: E402
 
-STEPS, BATCH, SEQ, MICROBATCHES = 3, 4, 16, 2
+STEPS, BATCH, SEQ, MICROBATCHES = int(os.environ.get("STEPS", "3")), 4, 16, 2
 
 
 class UserModule(PipelineTrainable, L.LightningModule):
@@ -52,13 +57,18 @@ class UserModule(PipelineTrainable, L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(outputs["loss"].detach().clone())
 
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if os.environ.get("GRADS"):
+            torch.save({n: p.grad.clone() for n, p in self.model.named_parameters()
+                        if p.grad is not None},
+                       f"{os.environ['GRADS']}.{dist.get_rank()}.{self.global_step}")
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=3e-3)
 
 
 def main(pp: int, ep: int, shards: int, out: str) -> None:
     torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)  # the same CPU kernels in every layout
     generator = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 64, (STEPS * BATCH * shards, SEQ + 1), generator=generator)
     world = pp * ep
