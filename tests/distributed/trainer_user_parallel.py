@@ -7,6 +7,7 @@ Run as a script: ``python tests/distributed/trainer_user_parallel.py PP EP SHARD
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from pathlib import Path
@@ -25,11 +26,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
+from lightning_moe_ckpt.recovery import AtSchedule
 from lightning_moe_ckpt.strategies import TrainerMoEParallelStrategy  # noqa: E402
 from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable  # noqa: E402
 from tests.anymodel.models import qwen3_moe  # noqa: E402
 
-STEPS, BATCH, SEQ, MICROBATCHES = int(os.environ.get("STEPS", "3")), 4, 16, 2
+STEPS, BATCH, SEQ, MICROBATCHES, WINDOW = int(os.environ.get("STEPS", "3")), 4, 16, 2, 2
 
 
 class UserModule(PipelineTrainable, L.LightningModule):
@@ -67,7 +70,10 @@ class UserModule(PipelineTrainable, L.LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=3e-3)
 
 
-def main(pp: int, ep: int, shards: int, out: str) -> None:
+def main(pp: int, ep: int, shards: int, out: str, fail: str | None = None) -> None:
+    # Bounded time even when recovery is broken: every rank dumps its stacks and exits.
+    faulthandler.dump_traceback_later(float(os.environ.get("RUN_TIMEOUT_S", "240")),
+                                      exit=True)
     torch.use_deterministic_algorithms(True)
     generator = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 64, (STEPS * BATCH * shards, SEQ + 1), generator=generator)
@@ -76,19 +82,33 @@ def main(pp: int, ep: int, shards: int, out: str) -> None:
     module = UserModule()
     strategy = TrainerMoEParallelStrategy(pp=pp, ep=ep, microbatches=MICROBATCHES *
                                           (shards if world == 1 else 1))
+    checkpointing = SparseCheckpointing("moevement", replicas=1 if world > 1 else 0,
+                                        window=WINDOW,
+                                        upstream_logging=pp > 1 and not os.environ.get("GLOBAL"))
+    callbacks: list[L.Callback] = [checkpointing]
+    injector = None
+    if fail is not None:
+        step, rank = (int(part) for part in fail.split(":"))
+        injector = FailureInjector(AtSchedule([{"step": step, "rank": rank}]), checkpointing)
+        callbacks.append(injector)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        enable_model_summary=False, callbacks=callbacks)
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=per_rank))
     state = {name: {"param": p.detach().clone(),
                     **{k: v.clone() for k, v in trainer.optimizers[0].state[p].items()
                        if k != "step"}}
              for name, p in module.model.named_parameters()}
+    report = {"rank": dist.get_rank(), "state": state,
+              "losses": {step: loss for step, loss in enumerate(module.losses)},
+              "metrics": checkpointing.metrics(1.0),
+              "faults": {} if injector is None else injector.metrics()}
     parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, state)
+    dist.all_gather_object(parts, report)
     if dist.get_rank() == 0:
-        torch.save({"parts": parts, "losses": torch.stack(module.losses)}, out)
+        torch.save(parts, out)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+         sys.argv[5] if len(sys.argv) > 5 else None)

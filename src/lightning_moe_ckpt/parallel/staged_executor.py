@@ -13,7 +13,8 @@ the global batch: expert parameters (those of an
 (an expert already holds every token routed to it from its ``ep`` peers), all others over
 the stage's ``dp x ep`` ranks, and everything is divided once by ``M x dp x ep``. A
 trainable parameter that got no gradient this iteration (no token reached its expert)
-takes part with zeros, so every replica issues the same collectives.
+takes part with zeros, so every replica issues the same collectives; a frozen one
+(``requires_grad`` off during a replay) takes no part.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class StagedExecutor:
         iteration = self.iteration
         self.iteration += 1
         self.forward_backward_calls += 1
+        # An iteration's gradients are its own: whatever the previous step left (the
+        # Trainer zeroes gradients only after the training step) is dropped first.
+        for param, _ in self.trainable:
+            param.grad = None
         if self.runner is not None:
             return self.runner.run(iteration, inputs, targets)
         (stage,) = self.staged.stages
@@ -85,8 +90,12 @@ class StagedExecutor:
 
     def reduce_gradients(self) -> None:
         """Gradients of the mean loss over the global batch, in place (collective)."""
+        # Frozen operators (requires_grad off, by name on every rank) take no part: no
+        # gradient, no collective, so the optimizer leaves them untouched.
+        active = [(param, is_expert) for param, is_expert in self.trainable
+                  if param.requires_grad]
         pending = []
-        for param, is_expert in self.trainable:
+        for param, is_expert in active:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             group = self.groups.dp if is_expert else self.groups.stage
@@ -95,7 +104,7 @@ class StagedExecutor:
         for work in pending:
             assert work is not None
             work.wait()
-        grads = [param.grad for param, _ in self.trainable if param.grad is not None]
+        grads = [param.grad for param, _ in active if param.grad is not None]
         if grads:
             torch._foreach_div_(grads, self.plan.microbatches * self.plan.data_shards)
 

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_moe_ckpt.parallel.engine import DistributedExecutor
 from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
 from lightning_moe_ckpt.recovery.global_rollback import agree_on_window
 from lightning_moe_ckpt.recovery.protocol import CheckpointSide
@@ -43,7 +42,6 @@ from lightning_moe_ckpt.recovery.replay import (
 )
 from lightning_moe_ckpt.recovery.scope import RecoveryScope, recovery_scopes
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
-from lightning_moe_ckpt.training.engine import TrainingEngine
 
 
 def _neighbour_logs(log: UpstreamLog, plan: ParallelPlan, coords: Coordinates,
@@ -122,10 +120,10 @@ def _recover_scopes(coordinator: CheckpointSide, log: UpstreamLog, plan: Paralle
     world = dist.get_world_size()
     in_scope = coords.pp in scope_pp
     target = coordinator.target
-    executor = target.executor if isinstance(target, TrainingEngine) else None
-    if not isinstance(executor, DistributedExecutor) or executor.runner is None:
-        raise TypeError("localized rollback replays through the built-in pipeline engine; "
-                        f"{type(target).__name__} recovers by global rollback")
+    executor = target.pipeline
+    if executor is None or executor.runner is None:
+        raise TypeError("localized rollback replays through a pipeline schedule; "
+                        f"{type(target).__name__} runs none and recovers by global rollback")
     common, views = agree_on_window(coordinator, failed, in_scope)
     iterations = range(common + 1, failed_step)
     handed: list[Any] = [None] * world

@@ -45,12 +45,13 @@ from lightning_moe_ckpt.strategies.common import (
     register,
 )
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
+from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable
 from lightning_moe_ckpt.training.settings import RunSettings
 
 
-class MoEParallelStrategy(ParallelStrategy):
+class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
     """Trainer strategy running a :class:`TrainingEngine` per rank over a pp x dp x ep mesh."""
 
     def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
@@ -201,6 +202,19 @@ class MoEParallelStrategy(ParallelStrategy):
         self.staged_executor.reduce_gradients()
         return closure_loss
 
+    @override
+    def user_layout(self, n_layers: int = 0, n_experts: int = 0) -> ParallelPlan | None:
+        if self.staged is None:
+            return None
+        assert isinstance(self.core.dp, int), "the layout is resolved at launch"
+        return ParallelPlan(self.core.pp, self.core.dp, self.core.ep, self.microbatches,
+                            n_layers, n_experts, self.core.schedule)
+
+    @property
+    @override
+    def user_pipeline(self) -> PipelineExecution | None:
+        return self.staged_executor
+
     def _executor_for(self, module: PipelineTrainable, micro_batch: int,
                       seq_len: int) -> StagedExecutor:
         """The staged executor, built at the first batch (its shapes fix the pipeline's
@@ -208,11 +222,10 @@ class MoEParallelStrategy(ParallelStrategy):
         if self.staged_executor is None:
             assert self.staged is not None and self.core.mesh is not None
             coords = self.core.coordinates
-            assert isinstance(self.core.dp, int)
-            plan = ParallelPlan(self.core.pp, self.core.dp, self.core.ep, self.microbatches,
-                                0, 0, self.core.schedule)
+            layout = self.user_layout()
+            assert layout is not None
             self.staged_executor = StagedExecutor(
-                self.staged, plan, ProcessGroups.from_mesh(self.core.mesh), coords.pp,
+                self.staged, layout, ProcessGroups.from_mesh(self.core.mesh), coords.pp,
                 self.root_device, micro_batch, seq_len, module.microbatch_loss,
                 self.core.boundary_hooks)
         return self.staged_executor

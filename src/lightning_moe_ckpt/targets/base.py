@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
+from lightning_moe_ckpt.parallel.pipeline import PipelineRunner
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.recovery.batch_log import BatchLog
 
@@ -55,6 +56,28 @@ class StepTelemetry:
     lr: float
     expert_load: torch.Tensor | None = None
     soft_load: torch.Tensor | None = None
+
+
+class PipelineExecution(Protocol):
+    """A rank's pipeline executor, as a localized replay drives it."""
+
+    runner: PipelineRunner | None  # the schedule, whose ``replay`` takes logged tensors
+    iteration: int  # the iteration its next forward/backward runs (keys the logs)
+    replaying: bool  # set during the replay: no collective may span the world
+
+
+class UserModelParallelism(ABC):
+    """A strategy that runs a user's own model under ``pp x dp x ep``: what the targets of
+    a user's loop read from it."""
+
+    @abstractmethod
+    def user_layout(self, n_layers: int = 0, n_experts: int = 0) -> ParallelPlan | None:
+        """The layout the user's model runs in (None: the strategy did not split it)."""
+
+    @property
+    @abstractmethod
+    def user_pipeline(self) -> PipelineExecution | None:
+        """The executor running the user's model's stages (None before the first batch)."""
 
 
 class StepHooks:
@@ -114,6 +137,11 @@ class TrainingTarget(ABC):
         return 0
 
     @property
+    def pipeline(self) -> PipelineExecution | None:
+        """This rank's pipeline executor, for a localized replay (None: no pipeline)."""
+        return None
+
+    @property
     def top_k(self) -> int | None:
         """Experts each token is routed to, when the target knows it."""
         return None
@@ -147,8 +175,12 @@ class TrainingTarget(ABC):
         """Inverse of :meth:`schedule_state`."""
 
     def set_step(self, step: int) -> None:
-        """The iteration the target runs next."""
+        """The iteration the target runs next (its pipeline tags that iteration's
+        boundary tensors, and a replay looks the logged ones up, by this number)."""
         self.step = step
+        pipeline = self.pipeline
+        if pipeline is not None:
+            pipeline.iteration = step
 
     def resume_at(self, step: int) -> None:
         """After a recovery: continue with iteration ``step`` as the uninterrupted run

@@ -29,8 +29,10 @@ from typing_extensions import override
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.operators import OperatorOverride, OperatorRegistry
+from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.precision import MasterWeightOptimizer
 from lightning_moe_ckpt.recovery.batch_log import BatchRecord
+from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
 from lightning_moe_ckpt.targets.telemetry import RouterParser, RouterTelemetry, configured_top_k
 from lightning_moe_ckpt.targets.user_loop import UserLoopTarget
 
@@ -86,6 +88,21 @@ class LightningTarget(UserLoopTarget):
 
         # An instance attribute: only this Trainer's plugin is rerouted.
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @property
+    @override
+    def layout(self) -> ParallelPlan:
+        flat = super().layout
+        strategy = self.trainer.strategy
+        split = (strategy.user_layout(flat.n_layers, flat.n_experts)
+                 if isinstance(strategy, UserModelParallelism) else None)
+        return flat if split is None else split
+
+    @property
+    @override
+    def pipeline(self) -> PipelineExecution | None:
+        strategy = self.trainer.strategy
+        return strategy.user_pipeline if isinstance(strategy, UserModelParallelism) else None
 
     @override
     def start_iteration(self, batch: Any, batch_idx: int) -> None:

@@ -19,7 +19,7 @@ from lightning_moe_ckpt.checkpoint.snapshot import restore_rng, rng_state
 from lightning_moe_ckpt.models.transformer import MoETransformer
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.precision import MasterWeightAdamW
-from lightning_moe_ckpt.targets.base import TrainingTarget
+from lightning_moe_ckpt.targets.base import PipelineExecution, TrainingTarget
 from lightning_moe_ckpt.training.core import (
     IterationResult,
     build_model,
@@ -78,6 +78,11 @@ class TrainingEngine(TrainingTarget):
 
     @property
     @override
+    def pipeline(self) -> PipelineExecution | None:
+        return self.executor
+
+    @property
+    @override
     def top_k(self) -> int | None:
         return self.settings.model.top_k
 
@@ -95,11 +100,6 @@ class TrainingEngine(TrainingTarget):
     def set_capacity_factors(self, factors: torch.Tensor) -> None:
         for layer, moe in self.model.moe_layers().items():
             moe.capacity_scale = factors[layer]
-
-    @override
-    def set_step(self, step: int) -> None:
-        self.step = step
-        self.executor.iteration = step
 
     @override
     def replay_iteration(self, step: int, clip_coef: torch.Tensor | None) -> None:

@@ -21,6 +21,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from lightning_moe_ckpt.models.transformer import MoETransformer
+from lightning_moe_ckpt.parallel.pipeline import PipelineRunner
 
 Backward = Callable[[torch.Tensor], None]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -53,6 +54,8 @@ class Executor(Protocol):
 
     iteration: int  # the iteration the next forward_backward runs (tags boundary logs)
     forward_backward_calls: int  # counted: paused ranks run none during a recovery
+    runner: PipelineRunner | None  # the pipeline schedule (None: no pipeline)
+    replaying: bool  # a localized replay: no collective spans the world
 
     def reset_stats(self) -> None:
         """Zero per-iteration routing telemetry."""
@@ -84,6 +87,8 @@ class LocalExecutor:
         self.index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
         self.iteration = 0
         self.forward_backward_calls = 0
+        self.runner: PipelineRunner | None = None
+        self.replaying = False
 
     def reset_stats(self) -> None:
         self.model.reset_stats()
