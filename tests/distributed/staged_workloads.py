@@ -47,7 +47,7 @@ def global_batch(step: int, shards: int, vocab: int) -> torch.Tensor:
                          generator=generator)
 
 
-def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ep_group: Any,
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ep_group: Any,
                 ) -> dict[str, dict[str, torch.Tensor]]:
     """``{name: {"param", "exp_avg", "exp_avg_sq"}}`` of this rank, expert shards gathered."""
     shards = {id(p) for m in model.modules() if isinstance(m, ExpertShard)
@@ -94,7 +94,7 @@ def train_staged(builder: Callable[..., nn.Module], pp: int, ep: int, steps: int
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(executor.global_loss(loss_sum))
-    state = _full_state(staged.model, optimizer, mesh.get_group("ep"))
+    state = full_state(staged.model, optimizer, mesh.get_group("ep"))
     parts: list[Any] = [None] * world
     dist.all_gather_object(parts, state)
     merged: dict[str, dict[str, torch.Tensor]] = {}

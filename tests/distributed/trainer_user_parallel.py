@@ -1,8 +1,11 @@
-"""A user's PipelineTrainable LightningModule (HF Qwen3-MoE) under the Trainer strategy.
+"""A user's PipelineTrainable LightningModule (a HF Qwen3-MoE) under the Trainer strategy.
 
-Run as a script: ``python tests/distributed/trainer_user_parallel.py PP EP SHARDS OUT``
-(the Trainer's launcher re-runs it for the other ranks). Rank 0 saves the full state
-(expert shards gathered) and the losses to ``OUT``.
+Run as ``python -m tests.distributed.trainer_user_parallel PP EP SHARDS OUT [STEP:RANK]``
+from the repository root (the Trainer's launcher re-runs it for the other ranks). One
+process runs ``SHARDS`` data shards as micro-batches (the reference); several run
+``pp x ep`` with one shard per ``ep`` rank. With ``STEP:RANK`` a simulated failure of that
+rank at that step is recovered by the library. Rank 0 saves every rank's report (the full
+state, expert shards gathered, its losses, its recovery figures) to ``OUT``.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 # One intra-op thread in every layout (Lightning would give each of N processes
@@ -24,15 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
 from lightning_moe_ckpt.recovery import AtSchedule
-from lightning_moe_ckpt.strategies import TrainerMoEParallelStrategy  # noqa: E402
-from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable  # noqa: E402
-from tests.anymodel.models import qwen3_moe  # noqa: E402
+from lightning_moe_ckpt.strategies import TrainerMoEParallelStrategy
+from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable
+from tests.anymodel.models import qwen3_moe
+from tests.distributed.staged_workloads import full_state
 
-STEPS, BATCH, SEQ, MICROBATCHES, WINDOW = int(os.environ.get("STEPS", "3")), 4, 16, 2, 2
+STEPS, BATCH, SEQ, MICROBATCHES, WINDOW = 8, 4, 16, 2, 2
+RUN_TIMEOUT_S = 240.0
 
 
 class UserModule(PipelineTrainable, L.LightningModule):
@@ -41,7 +43,7 @@ class UserModule(PipelineTrainable, L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.model = qwen3_moe(seed=0)
-        self.losses: list[torch.Tensor] = []
+        self.losses: dict[int, torch.Tensor] = {}
 
     def parallel_model(self) -> nn.Module:
         return self.model
@@ -58,13 +60,7 @@ class UserModule(PipelineTrainable, L.LightningModule):
         return self.microbatch_loss(self.model(input_ids=inputs).logits, targets)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.losses.append(outputs["loss"].detach().clone())
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        if os.environ.get("GRADS"):
-            torch.save({n: p.grad.clone() for n, p in self.model.named_parameters()
-                        if p.grad is not None},
-                       f"{os.environ['GRADS']}.{dist.get_rank()}.{self.global_step}")
+        self.losses[self.global_step - 1] = outputs["loss"].detach().clone()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=3e-3)
@@ -72,19 +68,17 @@ class UserModule(PipelineTrainable, L.LightningModule):
 
 def main(pp: int, ep: int, shards: int, out: str, fail: str | None = None) -> None:
     # Bounded time even when recovery is broken: every rank dumps its stacks and exits.
-    faulthandler.dump_traceback_later(float(os.environ.get("RUN_TIMEOUT_S", "240")),
-                                      exit=True)
+    faulthandler.dump_traceback_later(RUN_TIMEOUT_S, exit=True)
     torch.use_deterministic_algorithms(True)
     generator = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 64, (STEPS * BATCH * shards, SEQ + 1), generator=generator)
     world = pp * ep
-    per_rank = BATCH * (shards if world == 1 else 1)
+    one_process = world == 1
     module = UserModule()
-    strategy = TrainerMoEParallelStrategy(pp=pp, ep=ep, microbatches=MICROBATCHES *
-                                          (shards if world == 1 else 1))
-    checkpointing = SparseCheckpointing("moevement", replicas=1 if world > 1 else 0,
-                                        window=WINDOW,
-                                        upstream_logging=pp > 1 and not os.environ.get("GLOBAL"))
+    strategy = TrainerMoEParallelStrategy(
+        pp=pp, ep=ep, microbatches=MICROBATCHES * (shards if one_process else 1))
+    checkpointing = SparseCheckpointing("moevement", replicas=0 if one_process else 1,
+                                        window=WINDOW)
     callbacks: list[L.Callback] = [checkpointing]
     injector = None
     if fail is not None:
@@ -94,14 +88,12 @@ def main(pp: int, ep: int, shards: int, out: str, fail: str | None = None) -> No
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks)
-    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=per_rank))
-    state = {name: {"param": p.detach().clone(),
-                    **{k: v.clone() for k, v in trainer.optimizers[0].state[p].items()
-                       if k != "step"}}
-             for name, p in module.model.named_parameters()}
-    report = {"rank": dist.get_rank(), "state": state,
-              "losses": {step: loss for step, loss in enumerate(module.losses)},
-              "metrics": checkpointing.metrics(1.0),
+    loader = DataLoader(TensorDataset(tokens), batch_size=BATCH * (shards if one_process else 1))
+    trainer.fit(module, loader)
+    assert strategy.core.mesh is not None and checkpointing.coordinator is not None
+    state = full_state(module.model, trainer.optimizers[0], strategy.core.mesh.get_group("ep"))
+    report = {"rank": dist.get_rank(), "state": state, "losses": module.losses,
+              "paused_forward_backward": checkpointing.coordinator.paused_forward_backward,
               "faults": {} if injector is None else injector.metrics()}
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, report)

@@ -36,6 +36,16 @@ class ModelShape:
     n_layers: int
     n_experts: int
 
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelShape:
+        """The shape of a full model, from its routed-expert operators (discovery rules)."""
+        from lightning_moe_ckpt.operator_discovery import discover_operators
+
+        experts = [(op.layer, op.expert) for op in discover_operators(model)
+                   if op.kind == "expert" and op.layer is not None and op.expert is not None]
+        return cls(1 + max((layer for layer, _ in experts), default=-1),
+                   1 + max((expert for _, expert in experts), default=-1))
+
 
 @dataclass
 class StagedModel:

@@ -34,7 +34,12 @@ from typing_extensions import override
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.parallel.engine import ProcessGroups
-from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn, StagedModel, resolve_plan
+from lightning_moe_ckpt.parallel.model_plans import (
+    ModelShape,
+    ParallelizeFn,
+    StagedModel,
+    resolve_plan,
+)
 from lightning_moe_ckpt.parallel.staged_executor import StagedExecutor
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.strategies.common import (
@@ -66,6 +71,7 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
         self.microbatches = microbatches
         self.parallelize_fn = parallelize_fn
         self.staged: StagedModel | None = None
+        self.model_shape = ModelShape(0, 0)  # the full model's, known at setup
         self.staged_executor: StagedExecutor | None = None
         self._pipeline_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] | None = None
         self.num_nodes = 1
@@ -168,6 +174,7 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
                     "must span every stage and expert shard)")
             model = module.parallel_model()
             plan_fn, _ = resolve_plan(model, self.parallelize_fn)
+            self.model_shape = ModelShape.of(model)  # before the plan prunes it
             assert self.core.mesh is not None, "the mesh exists after setup_environment()"
             self.staged = plan_fn(model, self.core.mesh)
         super().setup(trainer)
@@ -203,12 +210,13 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
         return closure_loss
 
     @override
-    def user_layout(self, n_layers: int = 0, n_experts: int = 0) -> ParallelPlan | None:
+    def user_layout(self) -> ParallelPlan | None:
         if self.staged is None:
             return None
         assert isinstance(self.core.dp, int), "the layout is resolved at launch"
+        shape = self.model_shape
         return ParallelPlan(self.core.pp, self.core.dp, self.core.ep, self.microbatches,
-                            n_layers, n_experts, self.core.schedule)
+                            shape.n_layers, shape.n_experts, self.core.schedule)
 
     @property
     @override

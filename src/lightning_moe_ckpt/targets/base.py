@@ -63,6 +63,7 @@ class PipelineExecution(Protocol):
 
     runner: PipelineRunner | None  # the schedule, whose ``replay`` takes logged tensors
     iteration: int  # the iteration its next forward/backward runs (keys the logs)
+    forward_backward_calls: int  # counted: paused ranks run none during a recovery
     replaying: bool  # set during the replay: no collective may span the world
 
 
@@ -71,8 +72,9 @@ class UserModelParallelism(ABC):
     a user's loop read from it."""
 
     @abstractmethod
-    def user_layout(self, n_layers: int = 0, n_experts: int = 0) -> ParallelPlan | None:
-        """The layout the user's model runs in (None: the strategy did not split it)."""
+    def user_layout(self) -> ParallelPlan | None:
+        """The layout the user's model runs in, with the full model's layers and experts
+        (None: the strategy did not split the model)."""
 
     @property
     @abstractmethod

@@ -68,8 +68,13 @@ class LightningTarget(UserLoopTarget):
         # parameters keep requires_grad and are restored around the step instead.
         registry = OperatorRegistry(module, override,
                                     freeze_by_restore=isinstance(trainer.strategy, DDPStrategy))
+        strategy = trainer.strategy
+        # Split by the strategy: the rank holds part of the model; counts span all of it.
+        self.split = (strategy.user_layout() if isinstance(strategy, UserModelParallelism)
+                      else None)
+        shape = None if self.split is None else (self.split.n_layers, self.split.n_experts)
         telemetry = RouterTelemetry(module, registry, configured_top_k(module, top_k),
-                                    router_parser)
+                                    router_parser, shape)
         super().__init__(module, trainer.optimizers[0], registry,
                          [config.scheduler for config in trainer.lr_scheduler_configs],
                          telemetry if telemetry.active else None, trainer.world_size)
@@ -92,11 +97,14 @@ class LightningTarget(UserLoopTarget):
     @property
     @override
     def layout(self) -> ParallelPlan:
-        flat = super().layout
-        strategy = self.trainer.strategy
-        split = (strategy.user_layout(flat.n_layers, flat.n_experts)
-                 if isinstance(strategy, UserModelParallelism) else None)
-        return flat if split is None else split
+        return super().layout if self.split is None else self.split
+
+    @property
+    @override
+    def forward_backward_calls(self) -> int:
+        pipeline = self.pipeline
+        return (super().forward_backward_calls if pipeline is None
+                else pipeline.forward_backward_calls)
 
     @property
     @override

@@ -64,10 +64,14 @@ class RouterTelemetry:
     """Per-iteration ``[layers, experts]`` hard and soft counts from router hooks."""
 
     def __init__(self, model: nn.Module, registry: OperatorRegistry, top_k: int | None,
-                 parser: RouterParser | None = None) -> None:
+                 parser: RouterParser | None = None,
+                 shape: tuple[int, int] | None = None) -> None:
         experts = [p for p in map(expert_position, registry.names) if p is not None]
-        self.n_layers = 1 + max((layer for layer, _ in experts), default=-1)
-        self.n_experts = 1 + max((e for _, e in experts), default=-1)
+        # ``shape``: the full model's (layers, experts) when ``model`` holds only part of
+        # it; its routers still select among every expert.
+        self.n_layers, self.n_experts = shape if shape is not None else (
+            1 + max((layer for layer, _ in experts), default=-1),
+            1 + max((e for _, e in experts), default=-1))
         self.top_k = top_k
         self.parser = parser
         self.routers = {op.name: op.layer for op in registry if op.kind == "gate"}
