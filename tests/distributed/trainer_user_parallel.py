@@ -70,10 +70,11 @@ def main(pp: int, ep: int, shards: int, out: str, fail: str | None = None) -> No
     # Bounded time even when recovery is broken: every rank dumps its stacks and exits.
     faulthandler.dump_traceback_later(RUN_TIMEOUT_S, exit=True)
     torch.use_deterministic_algorithms(True)
-    generator = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, 64, (STEPS * BATCH * shards, SEQ + 1), generator=generator)
     world = pp * ep
     one_process = world == 1
+    data_shards = shards if one_process else ep  # dp = 1: one shard per ep rank
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 64, (STEPS * BATCH * data_shards, SEQ + 1), generator=generator)
     module = UserModule()
     strategy = TrainerMoEParallelStrategy(
         pp=pp, ep=ep, microbatches=MICROBATCHES * (shards if one_process else 1))
