@@ -24,7 +24,6 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from typing_extensions import override
 
@@ -55,6 +54,7 @@ from lightning_moe_ckpt.training.outputs import (
     PLOT,
     WORKERS,
     consolidated_state,
+    gather_target_state,
     plot_training,
     target_state,
     write_metrics,
@@ -316,31 +316,41 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
 
 def _train_hf_with_trainer(settings: RunSettings, data: RunData,
                            history: TrainingHistory) -> dict[str, Any]:
-    """A Hugging Face MoE as a user's own LightningModule (one process): returns its
-    consolidated state."""
+    """A Hugging Face MoE as a user's own LightningModule, in one process or split by the
+    built-in plan under ``MoEParallelStrategy``: returns its consolidated state (on rank 0;
+    ``None`` on the others)."""
     plan = settings.layout
-    require(plan.world_size == 1,
-            f"model.family={settings.model.family!r} runs in one process here; parallel.pp="
-            f"{plan.pp} x parallel.dp={plan.dp} x parallel.ep={plan.ep} is not supported yet")
+    distributed = plan.world_size > 1
     require(settings.api == "trainer",
             f"model.family={settings.model.family!r} runs with api=trainer (api={settings.api})")
     require(settings.precision == "32",
             f"model.family={settings.model.family!r} trains in fp32 "
             f"(trainer.precision={settings.precision!r})")
-    module = HFLanguageModule(settings, history)
+    module = HFLanguageModule(settings, history, data.train)
     checkpointing = _checkpointing(settings)
     injector = _failure_injector(settings, checkpointing)
+    strategy = (TrainerMoEParallelStrategy(**_strategy_args(settings),
+                                           microbatches=plan.microbatches)
+                if distributed else "auto")
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, precision="32-true", max_steps=settings.max_steps,
+        strategy=strategy, precision="32-true", max_steps=settings.max_steps,
         logger=_csv_logger(settings), enable_checkpointing=False,
         enable_progress_bar=settings.progress_bar, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=settings.log_every,
-        default_root_dir=settings.out_dir, gradient_clip_val=settings.optim.max_grad_norm,
-        callbacks=[c for c in (checkpointing, injector) if c is not None])
-    train = IterationDataset(data.train, settings.max_steps)
-    trainer.fit(module, DataLoader(train, batch_size=None))
-    state = target_state(module.model, trainer.optimizers[0], trainer.global_step)
-    return {"state": state, "checkpointing": checkpointing, "injector": injector}
+        default_root_dir=settings.out_dir, use_distributed_sampler=False,
+        # Under pp x ep the grad-norm clip would need every stage's and shard's norm.
+        gradient_clip_val=None if distributed else settings.optim.max_grad_norm,
+        callbacks=[c for c in (checkpointing, injector) if c is not None],
+        **(_launch_settings(settings) if distributed else {"accelerator": "cpu", "devices": 1}))
+    trainer.fit(module)
+    if isinstance(strategy, TrainerMoEParallelStrategy):
+        assert strategy.core.mesh is not None
+        state = gather_target_state(module.model, trainer.optimizers[0], trainer.global_step,
+                                    strategy.core.mesh.get_group("ep"))
+    else:
+        state = target_state(module.model, trainer.optimizers[0], trainer.global_step)
+    return {"state": state, "checkpointing": checkpointing, "injector": injector,
+            "rank": trainer.global_rank}
 
 
 def _train_with_fabric(settings: RunSettings, data: RunData,
@@ -477,6 +487,8 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
     history = TrainingHistory()
     if settings.model.family != "builtin":
         user = _train_hf_with_trainer(settings, data, history)
+        if user["rank"] != 0:
+            return {}
         state, checkpointing, injector = user["state"], user["checkpointing"], user["injector"]
         peer, peer_failures = None, None
     else:

@@ -63,3 +63,28 @@ def test_strategies_are_registered_by_name() -> None:
     assert isinstance(fabric.strategy, FabricMoEParallelStrategy)
     trainer = L.Trainer(strategy=STRATEGY_NAME, accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, TrainerMoEParallelStrategy)
+
+
+def test_users_hf_model_under_pp2_ep2_recovers_a_failure_bitwise(tmp_path: Path) -> None:
+    """The issue's command, shortened: a Hugging Face Qwen3-MoE split by the built-in plan
+    over 4 processes, rank 2 (the last stage) failing mid-window at step 9."""
+    pytest.importorskip("transformers")
+    common = ("model=hf_qwen3_moe", "parallel.pp=2", "parallel.ep=2", "trainer.max_steps=14",
+              "checkpoint.window=4")
+    golden = run_recipe(tmp_path / "golden", *common)
+    assert golden.returncode == 0, golden.stderr[-4000:]
+    failed = run_recipe(tmp_path / "failed", *common, "faults=at",
+                        "faults.events=[{step: 9, rank: 2}]")
+    assert failed.returncode == 0, failed.stderr[-4000:]
+    assert_states_equal(tmp_path / "golden" / "final_state.pt",
+                        tmp_path / "failed" / "final_state.pt")
+    state = torch.load(tmp_path / "golden" / "final_state.pt")
+    # Consolidated under the model's own names, expert shards whole again.
+    assert state["model"]["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 8
+    metrics = json.loads((tmp_path / "failed" / "metrics.json").read_text())
+    golden_metrics = json.loads((tmp_path / "golden" / "metrics.json").read_text())
+    assert metrics["failures_injected"] == 1
+    (recovery,) = metrics["recoveries"]
+    assert recovery["ranks_rolled_back"] == [2, 3]  # the failed stage only
+    assert recovery["iterations_replayed"] >= 1
+    assert metrics["loss"] == golden_metrics["loss"]

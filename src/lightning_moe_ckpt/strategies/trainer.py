@@ -220,6 +220,11 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
 
     @property
     @override
+    def data_shard(self) -> int:
+        return self.core.data_shard
+
+    @property
+    @override
     def user_pipeline(self) -> PipelineExecution | None:
         return self.staged_executor
 

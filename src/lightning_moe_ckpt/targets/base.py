@@ -78,6 +78,11 @@ class UserModelParallelism(ABC):
 
     @property
     @abstractmethod
+    def data_shard(self) -> int:
+        """Which data shard this rank reads (the same on every stage of a pipeline)."""
+
+    @property
+    @abstractmethod
     def user_pipeline(self) -> PipelineExecution | None:
         """The executor running the user's model's stages (None before the first batch)."""
 

@@ -15,12 +15,17 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_moe_ckpt.data.sampler import SeekableSampler
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models.config import MoEModelConfig
+from lightning_moe_ckpt.targets.base import UserModelParallelism
 from lightning_moe_ckpt.training.core import build_scheduler, language_model_loss
+from lightning_moe_ckpt.training.data import IterationDataset
 from lightning_moe_ckpt.training.history import TrainingHistory
+from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable
 from lightning_moe_ckpt.training.settings import RunSettings
 
 
@@ -43,21 +48,43 @@ def build_hf_model(cfg: MoEModelConfig, seed: int) -> nn.Module:
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**options))
 
 
-class HFLanguageModule(L.LightningModule):
-    """Next-byte prediction with a Hugging Face MoE, automatic optimization."""
+class HFLanguageModule(PipelineTrainable, L.LightningModule):
+    """Next-byte prediction with a Hugging Face MoE, automatic optimization; under
+    ``MoEParallelStrategy`` its model is split by the built-in plan."""
 
-    def __init__(self, settings: RunSettings, history: TrainingHistory) -> None:
+    def __init__(self, settings: RunSettings, history: TrainingHistory,
+                 sampler: SeekableSampler) -> None:
         super().__init__()
         self.settings = settings
         self.history = history
+        self.sampler = sampler
         self.model = build_hf_model(settings.model, settings.seed)
 
     @override
+    def parallel_model(self) -> nn.Module:
+        return self.model
+
+    @override
+    def split_batch(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch["inputs"].flatten(0, 1), batch["targets"].flatten(0, 1)
+
+    @override
+    def microbatch_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return language_model_loss(output, targets)
+
+    @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        inputs, targets = batch["inputs"].flatten(0, 1), batch["targets"].flatten(0, 1)
-        loss = language_model_loss(self.model(input_ids=inputs).logits, targets)
+        inputs, targets = self.split_batch(batch)
+        loss = self.microbatch_loss(self.model(input_ids=inputs).logits, targets)
         self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    @override
+    def train_dataloader(self) -> DataLoader[dict[str, Any]]:
+        strategy = self.trainer.strategy
+        shard = strategy.data_shard if isinstance(strategy, UserModelParallelism) else 0
+        return DataLoader(IterationDataset(self.sampler, self.settings.max_steps, shard=shard),
+                          batch_size=None)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -21,8 +21,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt
 import torch
+import torch.distributed as dist
 
 from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
+from lightning_moe_ckpt.parallel.staged_executor import expert_parameters
 from lightning_moe_ckpt.precision import MasterWeightAdamW
 from lightning_moe_ckpt.training.history import TrainingHistory
 from lightning_moe_ckpt.training.settings import RunSettings
@@ -54,6 +56,37 @@ def target_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                for name, p in model.named_parameters()
                if (state := access.state_of(p)) is not None}
     return {"step": step, "model": master, "compute": compute, "optimizer": moments}
+
+
+def gather_target_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                        ep_group: dist.ProcessGroup) -> dict[str, Any] | None:
+    """:func:`target_state` of a model split over the ranks (pipeline stages, expert
+    shards), whole on rank 0 and ``None`` elsewhere: expert shards are concatenated in
+    expert order over ``ep_group`` (collective)."""
+    state = target_state(model, optimizer, step)
+    shards = expert_parameters(model)
+    for name in sorted(name for name, p in model.named_parameters() if id(p) in shards):
+        state["model"][name] = _concatenated(state["model"][name], ep_group)
+        state["compute"][name] = _concatenated(state["compute"][name], ep_group)
+        for key, value in state["optimizer"].get(name, {}).items():
+            if value.dim() > 0:  # moments, not the step count
+                state["optimizer"][name][key] = _concatenated(value, ep_group)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, state)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict[str, Any] = {"step": step, "model": {}, "compute": {}, "optimizer": {}}
+    for part in parts:
+        for section in ("model", "compute", "optimizer"):
+            merged[section].update(part[section])
+    return merged
+
+
+def _concatenated(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The ``group`` ranks' blocks of ``tensor`` along dim 0, in rank order."""
+    blocks = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(blocks, tensor.contiguous(), group=group)
+    return torch.cat(blocks)
 
 
 def write_metrics(path: Path, settings: RunSettings, history: TrainingHistory,
