@@ -338,8 +338,7 @@ def _train_hf_with_trainer(settings: RunSettings, data: RunData,
         enable_progress_bar=settings.progress_bar, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=settings.log_every,
         default_root_dir=settings.out_dir, use_distributed_sampler=False,
-        # Under pp x ep the grad-norm clip would need every stage's and shard's norm.
-        gradient_clip_val=None if distributed else settings.optim.max_grad_norm,
+        gradient_clip_val=settings.optim.max_grad_norm,
         callbacks=[c for c in (checkpointing, injector) if c is not None],
         **(_launch_settings(settings) if distributed else {"accelerator": "cpu", "devices": 1}))
     trainer.fit(module)

@@ -30,7 +30,7 @@ from lightning_moe_ckpt.parallel.model_plans import (
     stage_layer_ids,
 )
 from lightning_moe_ckpt.parallel.staged_executor import StagedExecutor
-from lightning_moe_ckpt.parallel.topology import ParallelPlan
+from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
 
 MICROBATCHES, MICRO_BATCH, SEQ = 2, 2, 16
 
@@ -75,6 +75,7 @@ def train_staged(builder: Callable[..., nn.Module], pp: int, ep: int, steps: int
     dp = world // (pp * ep)
     mesh = init_device_mesh("cpu", (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
     model = builder(seed=0)
+    full_names = [name for name, _ in model.named_parameters()]
     vocab = 64  # every test model's vocabulary
     plan_fn, _ = resolve_plan(model, parallelize_fn)
     staged = plan_fn(model, mesh)
@@ -82,8 +83,9 @@ def train_staged(builder: Callable[..., nn.Module], pp: int, ep: int, steps: int
     data_shards = shards if world == 1 and shards else dp * ep
     microbatches = MICROBATCHES * (data_shards if world == 1 else 1)
     plan = ParallelPlan(pp, dp, ep, microbatches, 0, 0)
-    executor = StagedExecutor(staged, plan, ProcessGroups.from_mesh(mesh), pp_rank,
-                              torch.device("cpu"), MICRO_BATCH, SEQ, token_loss, [])
+    executor = StagedExecutor(staged, plan, ProcessGroups.from_mesh(mesh),
+                              Coordinates(pp_rank, dp_rank, ep_rank), torch.device("cpu"),
+                              MICRO_BATCH, SEQ, token_loss, [], full_names)
     optimizer = torch.optim.AdamW(staged.model.parameters(), lr=3e-3)
     losses = []
     for step in range(steps):

@@ -34,6 +34,7 @@ from tests.anymodel.models import qwen3_moe
 from tests.distributed.staged_workloads import full_state
 
 STEPS, BATCH, SEQ, MICROBATCHES, WINDOW = 8, 4, 16, 2, 2
+CLIP = 0.5  # below the gradient norms here: every step is clipped
 RUN_TIMEOUT_S = 240.0
 
 
@@ -88,7 +89,7 @@ def main(pp: int, ep: int, shards: int, out: str, fail: str | None = None) -> No
         callbacks.append(injector)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=callbacks)
+                        enable_model_summary=False, gradient_clip_val=CLIP, callbacks=callbacks)
     loader = DataLoader(TensorDataset(tokens), batch_size=BATCH * (shards if one_process else 1))
     trainer.fit(module, loader)
     assert strategy.core.mesh is not None and checkpointing.coordinator is not None

@@ -29,7 +29,7 @@ from lightning_moe_ckpt.parallel.engine import ProcessGroups
 from lightning_moe_ckpt.parallel.fused_experts import ExpertShard
 from lightning_moe_ckpt.parallel.model_plans import StagedModel
 from lightning_moe_ckpt.parallel.pipeline import BoundaryHook, PipelineRunner
-from lightning_moe_ckpt.parallel.topology import ParallelPlan
+from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -44,19 +44,23 @@ class StagedExecutor:
     """Forward/backward, gradient sync and the global loss of one rank's stages."""
 
     def __init__(self, staged: StagedModel, plan: ParallelPlan, groups: ProcessGroups,
-                 pp_rank: int, device: torch.device, micro_batch: int, seq_len: int,
-                 loss_fn: LossFn, hooks: list[BoundaryHook]) -> None:
+                 coords: Coordinates, device: torch.device, micro_batch: int, seq_len: int,
+                 loss_fn: LossFn, hooks: list[BoundaryHook], full_names: list[str]) -> None:
         self.staged = staged
         self.plan = plan
         self.groups = groups
         self.loss_fn = loss_fn
+        self.device = device
         self.iteration = 0
         self.forward_backward_calls = 0
         self.replaying = False
         experts = expert_parameters(staged.model)
         self.trainable = [(p, id(p) in experts) for p in staged.model.parameters()
                           if p.requires_grad]
+        self.norm_slots, self.owned_norms = _norm_slots(staged.model, experts, full_names,
+                                                        coords, plan.ep)
         self.runner: PipelineRunner | None = None
+        pp_rank = coords.pp
         if plan.pp > 1:
             dtype = next(p.dtype for p in staged.model.parameters() if p.is_floating_point())
             self.runner = PipelineRunner(
@@ -108,6 +112,21 @@ class StagedExecutor:
         if grads:
             torch._foreach_div_(grads, self.plan.microbatches * self.plan.data_shards)
 
+    def grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the full model's gradients: per-parameter norms placed at the
+        parameter's position in the full model (expert shards at their own slots), summed
+        by an exact all-reduce (every slot comes from one rank; skipped in a localized
+        replay), then normed, so a pure pipeline layout gets the one-process norm."""
+        vector = torch.zeros(self.norm_slots, dtype=torch.float32, device=self.device)
+        owned = [(slot, p.grad) for slot, p in self.owned_norms if p.grad is not None]
+        if owned:
+            norms = torch._foreach_norm([grad for _, grad in owned])
+            positions = torch.tensor([slot for slot, _ in owned], device=self.device)
+            vector[positions] = torch.stack(norms).float()
+        if not self.replaying:
+            dist.all_reduce(vector, group=self.groups.world)
+        return torch.linalg.vector_norm(vector)
+
     def global_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """Mean micro-batch loss over every data shard, on every rank (collective unless
         replaying: a localized replay's loss stays on the scope)."""
@@ -115,3 +134,21 @@ class StagedExecutor:
         if not self.replaying:
             dist.all_reduce(total, group=self.groups.world)
         return total[0] / (self.plan.microbatches * self.plan.data_shards)
+
+
+def _norm_slots(model: nn.Module, experts: set[int], full_names: list[str],
+                coords: Coordinates, ep: int) -> tuple[int, list[tuple[int, nn.Parameter]]]:
+    """Slots of the grad-norm vector and the ``(slot, parameter)`` pairs this rank fills.
+
+    A whole parameter takes its position in the full model and is filled by its first
+    replica (``dp == 0``, and ``ep == 0`` unless it is an expert shard); the ``ep`` shards
+    of an expert parameter take one slot each, past the whole-model positions."""
+    position = {name: index for index, name in enumerate(full_names)}
+    owned: list[tuple[int, nn.Parameter]] = []
+    for name, param in model.named_parameters():
+        if id(param) in experts:
+            if coords.dp == 0:
+                owned.append((len(full_names) + position[name] * ep + coords.ep, param))
+        elif coords.dp == 0 and coords.ep == 0:
+            owned.append((position[name], param))
+    return len(full_names) * (ep + 1), owned

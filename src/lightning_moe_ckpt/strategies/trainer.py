@@ -51,6 +51,7 @@ from lightning_moe_ckpt.strategies.common import (
 )
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
 from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
+from lightning_moe_ckpt.targets.user_loop import clip_by_total_norm
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable
 from lightning_moe_ckpt.training.settings import RunSettings
@@ -72,6 +73,7 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
         self.parallelize_fn = parallelize_fn
         self.staged: StagedModel | None = None
         self.model_shape = ModelShape(0, 0)  # the full model's, known at setup
+        self.full_names: list[str] = []  # the full model's parameters, in model order
         self.staged_executor: StagedExecutor | None = None
         self._pipeline_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] | None = None
         self.num_nodes = 1
@@ -167,17 +169,26 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
     def setup(self, trainer: L.Trainer) -> None:
         module = self.lightning_module
         if isinstance(module, PipelineTrainable):
-            if trainer.gradient_clip_val:
-                raise ConfigError(
-                    f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported "
-                    "yet for a PipelineTrainable module under MoEParallelStrategy (the norm "
-                    "must span every stage and expert shard)")
             model = module.parallel_model()
+            self.full_names = [name for name, _ in model.named_parameters()]
             plan_fn, _ = resolve_plan(model, self.parallelize_fn)
             self.model_shape = ModelShape.of(model)  # before the plan prunes it
             assert self.core.mesh is not None, "the mesh exists after setup_environment()"
             self.staged = plan_fn(model, self.core.mesh)
+            self._route_clipping()
         super().setup(trainer)
+
+    def _route_clipping(self) -> None:
+        """``gradient_clip_val`` clips by the norm over every stage and expert shard (a
+        SparseCheckpointing target reroutes it again, to log the coefficient)."""
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: int | float) -> None:
+            grads = [p.grad for p in plugin.main_params(optimizer) if p.grad is not None]
+            clip_by_total_norm(grads, self.user_grad_norm(), float(clip_val))
+
+        # An instance attribute: only this strategy's plugin is rerouted.
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -218,6 +229,11 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
         return ParallelPlan(self.core.pp, self.core.dp, self.core.ep, self.microbatches,
                             shape.n_layers, shape.n_experts, self.core.schedule)
 
+    @override
+    def user_grad_norm(self) -> torch.Tensor:
+        assert self.staged_executor is not None, "gradients exist after a training step"
+        return self.staged_executor.grad_norm()
+
     @property
     @override
     def data_shard(self) -> int:
@@ -238,9 +254,9 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
             layout = self.user_layout()
             assert layout is not None
             self.staged_executor = StagedExecutor(
-                self.staged, layout, ProcessGroups.from_mesh(self.core.mesh), coords.pp,
+                self.staged, layout, ProcessGroups.from_mesh(self.core.mesh), coords,
                 self.root_device, micro_batch, seq_len, module.microbatch_loss,
-                self.core.boundary_hooks)
+                self.core.boundary_hooks, self.full_names)
         return self.staged_executor
 
     @override

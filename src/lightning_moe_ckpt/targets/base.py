@@ -76,6 +76,11 @@ class UserModelParallelism(ABC):
         """The layout the user's model runs in, with the full model's layers and experts
         (None: the strategy did not split the model)."""
 
+    @abstractmethod
+    def user_grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the user's model's gradients over all of its ranks (collective
+        outside a localized replay)."""
+
     @property
     @abstractmethod
     def data_shard(self) -> int:

@@ -19,7 +19,7 @@ the setting named: gradient accumulation, several optimizers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -98,6 +98,13 @@ class LightningTarget(UserLoopTarget):
     @override
     def layout(self) -> ParallelPlan:
         return super().layout if self.split is None else self.split
+
+    @override
+    def total_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        strategy = self.trainer.strategy
+        if self.split is not None and isinstance(strategy, UserModelParallelism):
+            return strategy.user_grad_norm()  # spans every stage and expert shard
+        return super().total_norm(grads)
 
     @property
     @override

@@ -178,18 +178,36 @@ class UserLoopTarget(TrainingTarget):
         grads = [g for g in grads if g is not None]
         if self.clip_override is not None:
             coef = self.clip_override
-        elif grads:
-            total = torch.nn.utils.get_total_norm(grads, 2.0)
-            coef = torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0)
+            scale_gradients(grads, coef)
         else:
-            return torch.ones(())
-        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for grad in grads:
-            by_device[grad.device].append(grad)
-        for device, group in by_device.items():
-            torch._foreach_mul_(group, coef.to(device))
+            coef = clip_by_total_norm(grads, self.total_norm(grads), max_norm)
         self._clip = coef.detach()
         return coef
+
+    def total_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of every gradient the clip scales (this rank's: the model is whole
+        here, or its replicas hold equal gradients)."""
+        if not grads:
+            return torch.zeros(())
+        return torch.nn.utils.get_total_norm(grads, 2.0)
+
+
+def clip_by_total_norm(grads: Sequence[torch.Tensor], total: torch.Tensor,
+                       max_norm: float) -> torch.Tensor:
+    """Scale ``grads`` by ``min(1, max_norm / (total + 1e-6))`` as
+    ``torch.nn.utils.clip_grad_norm_`` does; returns the coefficient."""
+    coef = torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0)
+    scale_gradients(grads, coef)
+    return coef
+
+
+def scale_gradients(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply ``grads`` by ``coef`` in place, one foreach call per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        by_device[grad.device].append(grad)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device))
 
 
 StepFunction = Callable[[Any], Any]
