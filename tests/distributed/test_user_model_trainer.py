@@ -6,7 +6,8 @@ layout equals the one-process run bitwise; expert-parallel layouts match it to r
 (the tolerances of ``test_user_model_parallel.py``). In every layout a simulated failure
 in the middle of a window is recovered bitwise against the fault-free run of the same
 layout; with pp=2 only the failed stage's ranks roll back and the paused ones run no
-forward/backward pass during the recovery.
+forward/backward pass during the recovery. A torchtitan-style grouped-experts model takes
+the same path through its own ``parallelize_fn``.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ pytest.importorskip("transformers")
 RUN_TIMEOUT_S = 300
 
 
-def _run(tmp: Path, pp: int, ep: int, shards: int, fail: str | None = None) -> list[Any]:
-    out = tmp / f"pp{pp}ep{ep}s{shards}{'-' + fail.replace(':', '_') if fail else ''}.pt"
-    command = [sys.executable, "-m", "tests.distributed.trainer_user_parallel", str(pp),
+def _run(tmp: Path, model: str, pp: int, ep: int, shards: int, fail: str | None = None
+         ) -> list[Any]:
+    out = tmp / f"{model}-pp{pp}ep{ep}s{shards}{'-' + fail.replace(':', '_') if fail else ''}.pt"
+    command = [sys.executable, "-m", "tests.distributed.trainer_user_parallel", model, str(pp),
                str(ep), str(shards), str(out), *([fail] if fail else [])]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -52,12 +54,13 @@ Runs = Callable[..., list[Any]]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """``runs(pp, ep, shards, fail=None)``: each distinct run once per module."""
+    """``runs(pp, ep, shards, fail=None, model="qwen3_moe")``: each distinct run once."""
     tmp = tmp_path_factory.mktemp("user-trainer")
     done: dict[tuple[Any, ...], list[Any]] = {}
 
-    def run(pp: int, ep: int, shards: int, fail: str | None = None) -> list[Any]:
-        key = (pp, ep, shards, fail)
+    def run(pp: int, ep: int, shards: int, fail: str | None = None,
+            model: str = "qwen3_moe") -> list[Any]:
+        key = (model, pp, ep, shards, fail)
         if key not in done:
             done[key] = _run(tmp, *key)
         return done[key]
@@ -103,13 +106,15 @@ def test_expert_parallel_users_module_matches_one_process_to_rounding(runs: Runs
             torch.testing.assert_close(got[name][key], tensor, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize(("pp", "ep", "failed", "scope"),
-                         [(2, 1, 1, [1]), (1, 2, 0, [0, 1]), (2, 2, 2, [2, 3])],
-                         ids=["pp2-last-stage", "ep2", "pp2xep2-last-stage"])
-def test_a_failure_mid_window_recovers_bitwise(runs: Runs, pp: int, ep: int, failed: int,
-                                               scope: list[int]) -> None:
-    golden = runs(pp, ep, 1)
-    recovered = runs(pp, ep, 1, f"5:{failed}")
+@pytest.mark.parametrize(("model", "pp", "ep", "failed", "scope"),
+                         [("qwen3_moe", 2, 1, 1, [1]), ("qwen3_moe", 1, 2, 0, [0, 1]),
+                          ("qwen3_moe", 2, 2, 2, [2, 3]), ("grouped_experts", 2, 2, 0, [0, 1])],
+                         ids=["pp2-last-stage", "ep2", "pp2xep2-last-stage",
+                              "grouped-experts-pp2xep2-first-stage"])
+def test_a_failure_mid_window_recovers_bitwise(runs: Runs, model: str, pp: int, ep: int,
+                                               failed: int, scope: list[int]) -> None:
+    golden = runs(pp, ep, 1, model=model)
+    recovered = runs(pp, ep, 1, f"5:{failed}", model=model)
     _assert_equal_runs(golden, recovered)
     for part in recovered:
         faults = part["faults"]

@@ -1,11 +1,13 @@
-"""A user's PipelineTrainable LightningModule (a HF Qwen3-MoE) under the Trainer strategy.
+"""A user's PipelineTrainable LightningModule under the Trainer strategy.
 
-Run as ``python -m tests.distributed.trainer_user_parallel PP EP SHARDS OUT [STEP:RANK]``
-from the repository root (the Trainer's launcher re-runs it for the other ranks). One
-process runs ``SHARDS`` data shards as micro-batches (the reference); several run
-``pp x ep`` with one shard per ``ep`` rank. With ``STEP:RANK`` a simulated failure of that
-rank at that step is recovered by the library. Rank 0 saves every rank's report (the full
-state, expert shards gathered, its losses, its recovery figures) to ``OUT``.
+Run as ``python -m tests.distributed.trainer_user_parallel MODEL PP EP SHARDS OUT
+[STEP:RANK]`` from the repository root; the Trainer's launcher re-runs it for the other
+ranks. ``MODEL``: ``qwen3_moe`` (a HF Qwen3-MoE, split by the built-in plan) or
+``grouped_experts`` (a torchtitan-style model with its own ``parallelize_fn``). One process
+runs ``SHARDS`` data shards as micro-batches (the reference); several run ``pp x ep`` with
+one shard per ``ep`` rank. With ``STEP:RANK`` a simulated failure of that rank at that
+step is recovered by the library. Rank 0 saves every rank's report (the full state, expert
+shards gathered, its losses, its recovery figures) to ``OUT``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 # One intra-op thread in every layout (Lightning would give each of N processes
@@ -27,11 +30,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
+from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn
 from lightning_moe_ckpt.recovery import AtSchedule
 from lightning_moe_ckpt.strategies import TrainerMoEParallelStrategy
 from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable
-from tests.anymodel.models import qwen3_moe
-from tests.distributed.staged_workloads import full_state
+from tests.anymodel.models import grouped_experts_moe, qwen3_moe
+from tests.distributed.staged_workloads import full_state, parallelize_grouped_experts
 
 STEPS, BATCH, SEQ, MICROBATCHES, WINDOW = 8, 4, 16, 2, 2
 CLIP = 0.5  # below the gradient norms here: every step is clipped
@@ -41,9 +45,9 @@ RUN_TIMEOUT_S = 240.0
 class UserModule(PipelineTrainable, L.LightningModule):
     """A plain next-token module with the three declared pieces."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.model = qwen3_moe(seed=0)
+        self.model = model
         self.losses: dict[int, torch.Tensor] = {}
 
     def parallel_model(self) -> nn.Module:
@@ -58,7 +62,9 @@ class UserModule(PipelineTrainable, L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = self.split_batch(batch)
-        return self.microbatch_loss(self.model(input_ids=inputs).logits, targets)
+        output = self.model(inputs)
+        return self.microbatch_loss(output if isinstance(output, torch.Tensor) else
+                                    output.logits, targets)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses[self.global_step - 1] = outputs["loss"].detach().clone()
@@ -67,7 +73,14 @@ class UserModule(PipelineTrainable, L.LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=3e-3)
 
 
-def main(pp: int, ep: int, shards: int, out: str, fail: str | None = None) -> None:
+MODELS: dict[str, tuple[Callable[..., nn.Module], ParallelizeFn | None]] = {
+    "qwen3_moe": (qwen3_moe, None),
+    "grouped_experts": (grouped_experts_moe, parallelize_grouped_experts),
+}
+
+
+def main(model: str, pp: int, ep: int, shards: int, out: str, fail: str | None = None
+         ) -> None:
     # Bounded time even when recovery is broken: every rank dumps its stacks and exits.
     faulthandler.dump_traceback_later(RUN_TIMEOUT_S, exit=True)
     torch.use_deterministic_algorithms(True)
@@ -76,9 +89,11 @@ def main(pp: int, ep: int, shards: int, out: str, fail: str | None = None) -> No
     data_shards = shards if one_process else ep  # dp = 1: one shard per ep rank
     generator = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 64, (STEPS * BATCH * data_shards, SEQ + 1), generator=generator)
-    module = UserModule()
+    builder, parallelize_fn = MODELS[model]
+    module = UserModule(builder(seed=0))
     strategy = TrainerMoEParallelStrategy(
-        pp=pp, ep=ep, microbatches=MICROBATCHES * (shards if one_process else 1))
+        pp=pp, ep=ep, microbatches=MICROBATCHES * (shards if one_process else 1),
+        parallelize_fn=parallelize_fn)
     checkpointing = SparseCheckpointing("moevement", replicas=0 if one_process else 1,
                                         window=WINDOW)
     callbacks: list[L.Callback] = [checkpointing]
@@ -104,5 +119,5 @@ def main(pp: int, ep: int, shards: int, out: str, fail: str | None = None) -> No
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
-         sys.argv[5] if len(sys.argv) > 5 else None)
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
+         sys.argv[6] if len(sys.argv) > 6 else None)
