@@ -1,6 +1,6 @@
 """A user's PipelineTrainable LightningModule under the Trainer strategy.
 
-Run as ``python -m tests.distributed.trainer_user_parallel MODEL PP EP SHARDS OUT
+Run as ``python -m tests.distributed.trainer_user_parallel OUT MODEL PP EP SHARDS
 [STEP:RANK]`` from the repository root; the Trainer's launcher re-runs it for the other
 ranks. ``MODEL``: ``qwen3_moe`` (a HF Qwen3-MoE, split by the built-in plan) or
 ``grouped_experts`` (a torchtitan-style model with its own ``parallelize_fn``). One process
@@ -119,5 +119,5 @@ def main(model: str, pp: int, ep: int, shards: int, out: str, fail: str | None =
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
+    main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[1],
          sys.argv[6] if len(sys.argv) > 6 else None)

@@ -25,8 +25,13 @@ from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from torch import nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn
+from lightning_moe_ckpt.parallel.staged_executor import LossFn
+from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.strategies.common import (
     STRATEGY_NAME,
     assign_world_ranks,
@@ -36,21 +41,27 @@ from lightning_moe_ckpt.strategies.common import (
     register,
 )
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
+from lightning_moe_ckpt.strategies.user_model import UserModelSplit
+from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
+from lightning_moe_ckpt.targets.user_loop import clip_by_total_norm
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.settings import RunSettings
 
 __all__ = ["STRATEGY_NAME", "MoEParallelStrategy"]
 
 
-class MoEParallelStrategy(ParallelStrategy):
-    """Fabric strategy running a :class:`TrainingEngine` per rank over a pp x dp x ep mesh."""
+class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
+    """Fabric strategy over a pp x dp x ep mesh: the built-in model's
+    :class:`TrainingEngine`, or a user's model split by a plan (:meth:`parallelize`)."""
 
     def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
                  schedule: str = "1f1b", process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
-                 recovery_timeout_s: float = 60.0) -> None:
+                 recovery_timeout_s: float = 60.0, microbatches: int = 1,
+                 parallelize_fn: ParallelizeFn | None = None) -> None:
         super().__init__()
         self.core = MoEParallelCore(pp, dp, ep, schedule)
+        self.user_model = UserModelSplit(self.core, microbatches, parallelize_fn)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -86,6 +97,55 @@ class MoEParallelStrategy(ParallelStrategy):
     def build_engine(self, settings: RunSettings) -> TrainingEngine:
         """This rank's training engine (call after ``fabric.launch()``)."""
         return self.core.build_engine(settings, self.root_device)
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Prune a user's ``model`` in place to this rank's pipeline stage and expert shard
+        (call after ``fabric.launch()``, before creating the optimizer); returns it."""
+        return self.user_model.split(model).model
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                         loss_fn: LossFn) -> torch.Tensor:
+        """One batch of the parallelized model (``[B, S]`` ids and targets of this rank's
+        data shard) in ``microbatches`` micro-batches through the pipeline schedule, its
+        gradients synchronised; returns the mean loss over the global batch. Then step
+        the optimizer as usual (``optimizer.step()``)."""
+        loss = self.user_model.forward_backward(inputs, targets, loss_fn, self.root_device)
+        assert self.user_model.executor is not None
+        self.user_model.executor.reduce_gradients()
+        return loss
+
+    @override
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer,
+                            max_norm: float | int, norm_type: float | int = 2.0,
+                            error_if_nonfinite: bool = True) -> torch.Tensor:
+        if self.user_model.staged is None:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type,
+                                               error_if_nonfinite)
+        if norm_type != 2.0:
+            raise ConfigError(f"clip_gradients(norm_type={norm_type}) of a model split by "
+                              "MoEParallelStrategy: only the L2 norm spans the ranks")
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        total = self.user_grad_norm()
+        clip_by_total_norm(grads, total, float(max_norm))
+        return total
+
+    @override
+    def user_layout(self) -> ParallelPlan | None:
+        return self.user_model.layout()
+
+    @override
+    def user_grad_norm(self) -> torch.Tensor:
+        return self.user_model.grad_norm()
+
+    @property
+    @override
+    def data_shard(self) -> int:
+        return self.core.data_shard
+
+    @property
+    @override
+    def user_pipeline(self) -> PipelineExecution | None:
+        return self.user_model.executor
 
     @override
     def _configure_launcher(self) -> None:

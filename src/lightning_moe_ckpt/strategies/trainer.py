@@ -32,15 +32,9 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.parallel.engine import ProcessGroups
 from lightning_moe_ckpt.parallel.model_plans import (
-    ModelShape,
     ParallelizeFn,
-    StagedModel,
-    resolve_plan,
 )
-from lightning_moe_ckpt.parallel.staged_executor import StagedExecutor
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.strategies.common import (
     assign_world_ranks,
@@ -50,6 +44,7 @@ from lightning_moe_ckpt.strategies.common import (
     register,
 )
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
+from lightning_moe_ckpt.strategies.user_model import UserModelSplit
 from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
 from lightning_moe_ckpt.targets.user_loop import clip_by_total_norm
 from lightning_moe_ckpt.training.engine import TrainingEngine
@@ -69,12 +64,7 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
         self.core = MoEParallelCore(pp, dp, ep, schedule)
         # A user's PipelineTrainable module: its model split by a plan, run by the
         # staged executor in ``microbatches`` micro-batches per batch.
-        self.microbatches = microbatches
-        self.parallelize_fn = parallelize_fn
-        self.staged: StagedModel | None = None
-        self.model_shape = ModelShape(0, 0)  # the full model's, known at setup
-        self.full_names: list[str] = []  # the full model's parameters, in model order
-        self.staged_executor: StagedExecutor | None = None
+        self.user_model = UserModelSplit(self.core, microbatches, parallelize_fn)
         self._pipeline_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] | None = None
         self.num_nodes = 1
         self._process_group_backend = process_group_backend
@@ -169,12 +159,7 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
     def setup(self, trainer: L.Trainer) -> None:
         module = self.lightning_module
         if isinstance(module, PipelineTrainable):
-            model = module.parallel_model()
-            self.full_names = [name for name, _ in model.named_parameters()]
-            plan_fn, _ = resolve_plan(model, self.parallelize_fn)
-            self.model_shape = ModelShape.of(model)  # before the plan prunes it
-            assert self.core.mesh is not None, "the mesh exists after setup_environment()"
-            self.staged = plan_fn(model, self.core.mesh)
+            self.user_model.split(module.parallel_model())
             self._route_clipping()
         super().setup(trainer)
 
@@ -193,20 +178,17 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
-        if self.staged is None or not isinstance(module, PipelineTrainable):
+        if self.user_model.staged is None or not isinstance(module, PipelineTrainable):
             return super().training_step(*args, **kwargs)
         inputs, targets = module.split_batch(args[0])
-        count = self.microbatches
-        if inputs.shape[0] % count:
-            raise ConfigError(f"a batch of {inputs.shape[0]} sequences does not split into "
-                              f"parallel.microbatches={count} micro-batches")
-        executor = self._executor_for(module, inputs.shape[0] // count, inputs.shape[-1])
-        loss_sum = executor.forward_backward(inputs.reshape(count, -1, inputs.shape[-1]),
-                                             targets.reshape(count, -1, targets.shape[-1]))
+        loss = self.user_model.forward_backward(inputs, targets, module.microbatch_loss,
+                                                self.root_device)
         # Lightning zeroes gradients between the training step and backward: the
         # schedule's gradients are handed back in backward().
-        self._pipeline_grads = [(param, param.grad) for param, _ in executor.trainable]
-        return executor.global_loss(loss_sum)
+        assert self.user_model.executor is not None
+        self._pipeline_grads = [(param, param.grad)
+                                for param, _ in self.user_model.executor.trainable]
+        return loss
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
@@ -216,23 +198,17 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
         grads, self._pipeline_grads = self._pipeline_grads, None
         for param, grad in grads:
             param.grad = grad
-        assert self.staged_executor is not None
-        self.staged_executor.reduce_gradients()
+        assert self.user_model.executor is not None
+        self.user_model.executor.reduce_gradients()
         return closure_loss
 
     @override
     def user_layout(self) -> ParallelPlan | None:
-        if self.staged is None:
-            return None
-        assert isinstance(self.core.dp, int), "the layout is resolved at launch"
-        shape = self.model_shape
-        return ParallelPlan(self.core.pp, self.core.dp, self.core.ep, self.microbatches,
-                            shape.n_layers, shape.n_experts, self.core.schedule)
+        return self.user_model.layout()
 
     @override
     def user_grad_norm(self) -> torch.Tensor:
-        assert self.staged_executor is not None, "gradients exist after a training step"
-        return self.staged_executor.grad_norm()
+        return self.user_model.grad_norm()
 
     @property
     @override
@@ -242,22 +218,7 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
     @property
     @override
     def user_pipeline(self) -> PipelineExecution | None:
-        return self.staged_executor
-
-    def _executor_for(self, module: PipelineTrainable, micro_batch: int,
-                      seq_len: int) -> StagedExecutor:
-        """The staged executor, built at the first batch (its shapes fix the pipeline's
-        static boundary metadata)."""
-        if self.staged_executor is None:
-            assert self.staged is not None and self.core.mesh is not None
-            coords = self.core.coordinates
-            layout = self.user_layout()
-            assert layout is not None
-            self.staged_executor = StagedExecutor(
-                self.staged, layout, ProcessGroups.from_mesh(self.core.mesh), coords,
-                self.root_device, micro_batch, seq_len, module.microbatch_loss,
-                self.core.boundary_hooks, self.full_names)
-        return self.staged_executor
+        return self.user_model.executor
 
     @override
     def model_to_device(self) -> None:

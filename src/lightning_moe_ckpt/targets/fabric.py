@@ -23,7 +23,12 @@ from typing_extensions import override
 from lightning_moe_ckpt.operators import OperatorOverride, OperatorRegistry
 from lightning_moe_ckpt.recovery.batch_log import BatchRecord
 from lightning_moe_ckpt.targets.telemetry import RouterParser, RouterTelemetry, configured_top_k
-from lightning_moe_ckpt.targets.user_loop import Scheduler, UserLoopTarget
+from lightning_moe_ckpt.targets.user_loop import (
+    Scheduler,
+    UserLoopTarget,
+    full_model_shape,
+    user_parallelism,
+)
 
 StepFunction = Callable[[Any], Any]
 
@@ -37,11 +42,17 @@ class FabricTarget(UserLoopTarget):
                  router_parser: RouterParser | None = None) -> None:
         module = model.module if isinstance(model, _FabricModule) else model
         raw = optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
-        registry = OperatorRegistry(module, override, freeze_by_restore=fabric.world_size > 1)
+        parallelism = user_parallelism(fabric.strategy)
+        # Replicas synchronised by a DDP-style wrapper expect a gradient for every
+        # parameter: frozen ones keep requires_grad and are restored around the step. A
+        # model split by the strategy syncs only what requires a gradient.
+        registry = OperatorRegistry(module, override, freeze_by_restore=(
+            fabric.world_size > 1 and parallelism is None))
         telemetry = RouterTelemetry(module, registry, configured_top_k(module, top_k),
-                                    router_parser)
+                                    router_parser, full_model_shape(parallelism))
         super().__init__(module, raw, registry, schedulers,
-                         telemetry if telemetry.active else None, fabric.world_size)
+                         telemetry if telemetry.active else None, fabric.world_size,
+                         parallelism)
         self.fabric = fabric
         self.step_fn = step_fn
 

@@ -19,7 +19,7 @@ the setting named: gradient accumulation, several optimizers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -29,12 +29,14 @@ from typing_extensions import override
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.operators import OperatorOverride, OperatorRegistry
-from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.precision import MasterWeightOptimizer
 from lightning_moe_ckpt.recovery.batch_log import BatchRecord
-from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
 from lightning_moe_ckpt.targets.telemetry import RouterParser, RouterTelemetry, configured_top_k
-from lightning_moe_ckpt.targets.user_loop import UserLoopTarget
+from lightning_moe_ckpt.targets.user_loop import (
+    UserLoopTarget,
+    full_model_shape,
+    user_parallelism,
+)
 
 
 def check_protectable(trainer: L.Trainer) -> None:
@@ -68,16 +70,13 @@ class LightningTarget(UserLoopTarget):
         # parameters keep requires_grad and are restored around the step instead.
         registry = OperatorRegistry(module, override,
                                     freeze_by_restore=isinstance(trainer.strategy, DDPStrategy))
-        strategy = trainer.strategy
-        # Split by the strategy: the rank holds part of the model; counts span all of it.
-        self.split = (strategy.user_layout() if isinstance(strategy, UserModelParallelism)
-                      else None)
-        shape = None if self.split is None else (self.split.n_layers, self.split.n_experts)
+        parallelism = user_parallelism(trainer.strategy)
         telemetry = RouterTelemetry(module, registry, configured_top_k(module, top_k),
-                                    router_parser, shape)
+                                    router_parser, full_model_shape(parallelism))
         super().__init__(module, trainer.optimizers[0], registry,
                          [config.scheduler for config in trainer.lr_scheduler_configs],
-                         telemetry if telemetry.active else None, trainer.world_size)
+                         telemetry if telemetry.active else None, trainer.world_size,
+                         parallelism)
         self.trainer = trainer
         self.module = module
         self._route_clipping()
@@ -93,31 +92,6 @@ class LightningTarget(UserLoopTarget):
 
         # An instance attribute: only this Trainer's plugin is rerouted.
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-
-    @property
-    @override
-    def layout(self) -> ParallelPlan:
-        return super().layout if self.split is None else self.split
-
-    @override
-    def total_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        strategy = self.trainer.strategy
-        if self.split is not None and isinstance(strategy, UserModelParallelism):
-            return strategy.user_grad_norm()  # spans every stage and expert shard
-        return super().total_norm(grads)
-
-    @property
-    @override
-    def forward_backward_calls(self) -> int:
-        pipeline = self.pipeline
-        return (super().forward_backward_calls if pipeline is None
-                else pipeline.forward_backward_calls)
-
-    @property
-    @override
-    def pipeline(self) -> PipelineExecution | None:
-        strategy = self.trainer.strategy
-        return strategy.user_pipeline if isinstance(strategy, UserModelParallelism) else None
 
     @override
     def start_iteration(self, batch: Any, batch_idx: int) -> None:

@@ -36,7 +36,12 @@ from lightning_moe_ckpt.checkpoint.snapshot import restore_rng, rng_state
 from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.recovery.batch_log import BatchLog, BatchRecord, host_copy
-from lightning_moe_ckpt.targets.base import StepTelemetry, TrainingTarget
+from lightning_moe_ckpt.targets.base import (
+    PipelineExecution,
+    StepTelemetry,
+    TrainingTarget,
+    UserModelParallelism,
+)
 from lightning_moe_ckpt.targets.telemetry import RouterTelemetry
 
 _CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
@@ -49,11 +54,16 @@ class UserLoopTarget(TrainingTarget):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  registry: OperatorRegistry, schedulers: Sequence[Scheduler],
-                 telemetry: RouterTelemetry | None, world_size: int = 1) -> None:
+                 telemetry: RouterTelemetry | None, world_size: int = 1,
+                 parallelism: UserModelParallelism | None = None) -> None:
         super().__init__(model, optimizer, registry)
         self.schedulers = list(schedulers)
         self.telemetry = telemetry
         self.world_size = world_size
+        # A strategy that split the model over pp x dp x ep: the layout, pipeline and
+        # grad norm come from it.
+        self.parallelism = parallelism
+        self.split = None if parallelism is None else parallelism.user_layout()
         self.batch_log: BatchLog = BatchLog()
         self.clip_override: torch.Tensor | None = None  # the logged coefficient in replay
         self._clip: torch.Tensor | None = None  # this iteration's coefficient
@@ -65,6 +75,8 @@ class UserLoopTarget(TrainingTarget):
     @property
     @override
     def layout(self) -> ParallelPlan:
+        if self.split is not None:
+            return self.split
         telemetry = self.telemetry
         n_layers = 1 if telemetry is None else max(1, telemetry.n_layers)
         n_experts = 1 if telemetry is None else max(1, telemetry.n_experts)
@@ -72,8 +84,14 @@ class UserLoopTarget(TrainingTarget):
 
     @property
     @override
+    def pipeline(self) -> PipelineExecution | None:
+        return None if self.parallelism is None else self.parallelism.user_pipeline
+
+    @property
+    @override
     def forward_backward_calls(self) -> int:
-        return self._iterations
+        pipeline = self.pipeline
+        return self._iterations if pipeline is None else pipeline.forward_backward_calls
 
     @property
     @override
@@ -185,8 +203,11 @@ class UserLoopTarget(TrainingTarget):
         return coef
 
     def total_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The L2 norm of every gradient the clip scales (this rank's: the model is whole
-        here, or its replicas hold equal gradients)."""
+        """The L2 norm of every gradient the clip scales: over every stage and expert
+        shard of a split model, else this rank's (the model is whole here, or its
+        replicas hold equal gradients)."""
+        if self.split is not None and self.parallelism is not None:
+            return self.parallelism.user_grad_norm()
         if not grads:
             return torch.zeros(())
         return torch.nn.utils.get_total_norm(grads, 2.0)
@@ -211,3 +232,16 @@ def scale_gradients(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
 
 
 StepFunction = Callable[[Any], Any]
+
+
+def user_parallelism(strategy: object) -> UserModelParallelism | None:
+    """``strategy`` when it split a user's model over pp x dp x ep, else None."""
+    if isinstance(strategy, UserModelParallelism) and strategy.user_layout() is not None:
+        return strategy
+    return None
+
+
+def full_model_shape(parallelism: UserModelParallelism | None) -> tuple[int, int] | None:
+    """``(layers, experts)`` of the whole model when this rank holds part of it."""
+    layout = None if parallelism is None else parallelism.user_layout()
+    return None if layout is None else (layout.n_layers, layout.n_experts)

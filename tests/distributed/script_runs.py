@@ -1,0 +1,63 @@
+"""Run a multi-process test script (its own launcher starts the ranks) in bounded time.
+
+The script runs in a fresh session from the repository root; when it overruns, its whole
+process group (the script and the ranks it launched) is killed by the group's id. It saves
+a list of per-rank reports (``state``, ``losses``, ...) to the path it is given.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+RUN_TIMEOUT_S = 300
+
+
+def run_script(module: str, out: Path, *args: str) -> list[Any]:
+    """The per-rank reports ``python -m module out *args`` saves to ``out``."""
+    command = [sys.executable, "-m", module, str(out), *args]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the run's own group: it and its ranks
+        output, _ = process.communicate()
+        pytest.fail(f"{command} overran {RUN_TIMEOUT_S} s:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-4000:]
+    reports: list[Any] = torch.load(out, weights_only=False)
+    return reports
+
+
+def assert_equal_runs(expected: list[Any], got: list[Any]) -> None:
+    """Every rank's state (parameters, moments) and every loss, bitwise."""
+    for a, b in zip(expected, got, strict=True):
+        assert a["state"].keys() == b["state"].keys(), a["rank"]
+        for name, tensors in a["state"].items():
+            for key, tensor in tensors.items():
+                assert torch.equal(tensor, b["state"][name][key]), (a["rank"], name, key)
+        assert a["losses"].keys() == b["losses"].keys()
+        for step, loss in a["losses"].items():
+            assert torch.equal(loss, b["losses"][step]), (a["rank"], step)
+
+
+def assert_recovered(parts: list[Any], failed: int, scope: list[int]) -> None:
+    """The fault fired once, only ``scope`` rolled back, paused ranks ran no pass."""
+    for part in parts:
+        faults = part["faults"]
+        assert faults["failures_injected"] == 1  # the fault fired
+        (recovery,) = faults["recoveries"]
+        assert recovery["failed_ranks"] == [failed]
+        assert recovery["ranks_rolled_back"] == scope
+        assert recovery["iterations_replayed"] >= 1
+        if part["rank"] not in scope:  # paused: kept its state, ran nothing
+            assert part["paused_forward_backward"] == 0
