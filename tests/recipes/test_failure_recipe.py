@@ -107,7 +107,8 @@ def test_hugging_face_model_recipe_recovers_bitwise(tmp_path: Path) -> None:
                         tmp_path / "failed" / "final_state.pt")
 
 
-def test_hugging_face_model_refuses_parallel_layouts(tmp_path: Path) -> None:
-    result = run_recipe(tmp_path, "model=hf_qwen3_moe", "parallel.pp=2")
+def test_hugging_face_model_refuses_a_layout_it_cannot_take(tmp_path: Path) -> None:
+    result = run_recipe(tmp_path, "model=hf_qwen3_moe", "parallel.ep=3")
     assert result.returncode != 0
-    assert "parallel.pp=2" in result.stderr and "hf_qwen3_moe" in result.stderr
+    assert "parallel.ep=3" in result.stderr and "n_experts=8" in result.stderr
+    assert not (tmp_path / "metrics.json").exists()  # refused before any training
