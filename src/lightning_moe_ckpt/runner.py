@@ -41,8 +41,11 @@ from lightning_moe_ckpt.recovery.rendezvous import (
 )
 from lightning_moe_ckpt.recovery.supervisor import Supervisor, report_of
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
+from lightning_moe_ckpt.strategies.real_failures import (
+    align_trainer_step,
+    skip_first_sigterm_broadcast,
+)
 from lightning_moe_ckpt.targets.base import IterationAborted
-from lightning_moe_ckpt.targets.lightning import align_trainer_step
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.hf_module import HFLanguageModule
@@ -166,9 +169,6 @@ def _supervise(settings: RunSettings) -> dict[str, Any]:
     require(settings.layout.world_size > 1,
             f"{why}: real failures need several worker processes (a layout with "
             "parallel.pp x dp x ep > 1)")
-    require(settings.model.family == "builtin",
-            f"{why}: real failures are recovered for the built-in model in this version "
-            f"(model.family={settings.model.family!r})")
     require(settings.checkpoint.policy not in ("none", *PEER_POLICIES),
             f"{why}: real failures are recovered from sparse checkpoints "
             f"(checkpoint={settings.checkpoint.policy})")
@@ -256,31 +256,11 @@ class _RecoverRealFailures(L.Callback):
                                              strategy.core, pl_module.device)
         align_trainer_step(trainer, engine.step, batches=True)
         if self.job.replaces is not None:
-            _skip_first_sigterm_broadcast(trainer)
-
-    @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                             batch: Any, batch_idx: int) -> None:
-        strategy = trainer.strategy
-        assert isinstance(strategy, TrainerMoEParallelStrategy)
-        strategy.joining_running_job = False  # from its first batch on, in step with all
+            skip_first_sigterm_broadcast(trainer)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.job.training_finished()
-
-
-def _skip_first_sigterm_broadcast(trainer: L.Trainer) -> None:
-    """Lightning broadcasts a SIGTERM flag from rank 0 before every batch (outside the
-    strategy). The survivors made that broadcast for the batch the failure interrupted and
-    retry it inside its training step, so a replacement joining at that batch skips it."""
-    loop = trainer.fit_loop.epoch_loop
-    broadcast = loop._broadcast_sigterm_tensor
-
-    def skip_once() -> None:
-        loop._broadcast_sigterm_tensor = broadcast  # type: ignore[method-assign]
-
-    loop._broadcast_sigterm_tensor = skip_once  # type: ignore[method-assign]
 
 
 def _train_with_trainer(settings: RunSettings, data: RunData,
@@ -294,8 +274,6 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
     job = _job_store(settings)
     recovery = (_RecoverRealFailures(settings, job, checkpointing, injector)
                 if job is not None and checkpointing is not None and distributed else None)
-    if recovery is not None:
-        strategy.joining_running_job = job is not None and job.replaces is not None
     trainer = L.Trainer(
         strategy=strategy, precision="32-true", max_steps=settings.max_steps,
         logger=_csv_logger(settings), enable_checkpointing=False,
@@ -342,6 +320,8 @@ def _train_hf_with_trainer(settings: RunSettings, data: RunData,
         callbacks=[c for c in (checkpointing, injector) if c is not None],
         **(_launch_settings(settings) if distributed else {"accelerator": "cpu", "devices": 1}))
     trainer.fit(module)
+    if checkpointing is not None and checkpointing.peer_failures is not None:
+        checkpointing.peer_failures.job.stop_heartbeat()
     if isinstance(strategy, TrainerMoEParallelStrategy):
         assert strategy.core.mesh is not None
         state = gather_target_state(module.model, trainer.optimizers[0], trainer.global_step,
@@ -489,7 +469,8 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
         if user["rank"] != 0:
             return {}
         state, checkpointing, injector = user["state"], user["checkpointing"], user["injector"]
-        peer, peer_failures = None, None
+        peer = None
+        peer_failures = None if checkpointing is None else checkpointing.peer_failures
     else:
         train = _train_with_trainer if settings.api == "trainer" else _train_with_fabric
         trained = train(settings, data, history)

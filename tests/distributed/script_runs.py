@@ -1,8 +1,9 @@
 """Run a multi-process test script (its own launcher starts the ranks) in bounded time.
 
 The script runs in a fresh session from the repository root; when it overruns, its whole
-process group (the script and the ranks it launched) is killed by the group's id. It saves
-a list of per-rank reports (``state``, ``losses``, ...) to the path it is given.
+process group (the script and the ranks it launched, or the supervisor and its workers)
+is killed by the group's id. It saves a list of per-rank reports (``state``, ``losses``,
+...) to the path it is given.
 """
 
 from __future__ import annotations
@@ -24,7 +25,19 @@ RUN_TIMEOUT_S = 300
 
 def run_script(module: str, out: Path, *args: str) -> list[Any]:
     """The per-rank reports ``python -m module out *args`` saves to ``out``."""
-    command = [sys.executable, "-m", module, str(out), *args]
+    return _run([sys.executable, "-m", module, str(out), *args], out)
+
+
+def run_supervised(module: str, out: Path, workers: int, timeout_s: float, status: Path,
+                   *args: str) -> list[Any]:
+    """The per-rank reports of ``module`` run under ``python -m lightning_moe_ckpt.supervise``
+    (its workers' pids in ``status``)."""
+    return _run([sys.executable, "-m", "lightning_moe_ckpt.supervise", "--workers",
+                 str(workers), "--timeout-s", str(timeout_s), "--status", str(status),
+                 "-m", module, str(out), *args], out)
+
+
+def _run(command: list[str], out: Path) -> list[Any]:
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

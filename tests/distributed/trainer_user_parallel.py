@@ -1,13 +1,15 @@
 """A user's PipelineTrainable LightningModule under the Trainer strategy.
 
 Run as ``python -m tests.distributed.trainer_user_parallel OUT MODEL PP EP SHARDS
-[STEP:RANK]`` from the repository root; the Trainer's launcher re-runs it for the other
-ranks. ``MODEL``: ``qwen3_moe`` (a HF Qwen3-MoE, split by the built-in plan) or
+[STEP:RANK[:KIND]]`` from the repository root; the Trainer's launcher re-runs it for the
+other ranks. ``MODEL``: ``qwen3_moe`` (a HF Qwen3-MoE, split by the built-in plan) or
 ``grouped_experts`` (a torchtitan-style model with its own ``parallelize_fn``). One process
 runs ``SHARDS`` data shards as micro-batches (the reference); several run ``pp x ep`` with
 one shard per ``ep`` rank. With ``STEP:RANK`` a simulated failure of that rank at that
-step is recovered by the library. Rank 0 saves every rank's report (the full state, expert
-shards gathered, its losses, its recovery figures) to ``OUT``.
+step is recovered by the library; with a real ``KIND`` (``kill``, ``exit``, ...) the rank
+really fails, which needs the script to run under ``python -m lightning_moe_ckpt.supervise``
+(``SUPERVISED_TIMEOUT_S`` its ``--timeout-s``). Rank 0 saves every rank's report (the full
+state, expert shards gathered, its losses, its recovery figures, its pid) to ``OUT``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tests.distributed.staged_workloads import full_state, parallelize_grouped_e
 STEPS, BATCH, SEQ, MICROBATCHES, WINDOW = 8, 4, 16, 2, 2
 CLIP = 0.5  # below the gradient norms here: every step is clipped
 RUN_TIMEOUT_S = 240.0
+SUPERVISED_TIMEOUT_S = 30.0  # the supervisor's --timeout-s when a fault is real
 
 
 class UserModule(PipelineTrainable, L.LightningModule):
@@ -93,14 +96,15 @@ def main(model: str, pp: int, ep: int, shards: int, out: str, fail: str | None =
     module = UserModule(builder(seed=0))
     strategy = TrainerMoEParallelStrategy(
         pp=pp, ep=ep, microbatches=MICROBATCHES * (shards if one_process else 1),
-        parallelize_fn=parallelize_fn)
+        parallelize_fn=parallelize_fn, recovery_timeout_s=SUPERVISED_TIMEOUT_S)
     checkpointing = SparseCheckpointing("moevement", replicas=0 if one_process else 1,
                                         window=WINDOW)
     callbacks: list[L.Callback] = [checkpointing]
     injector = None
     if fail is not None:
-        step, rank = (int(part) for part in fail.split(":"))
-        injector = FailureInjector(AtSchedule([{"step": step, "rank": rank}]), checkpointing)
+        step, rank, *kind = fail.split(":")
+        event = {"step": int(step), "rank": int(rank), "kind": kind[0] if kind else "simulated"}
+        injector = FailureInjector(AtSchedule([event]), checkpointing)
         callbacks.append(injector)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -109,9 +113,12 @@ def main(model: str, pp: int, ep: int, shards: int, out: str, fail: str | None =
     trainer.fit(module, loader)
     assert strategy.core.mesh is not None and checkpointing.coordinator is not None
     state = full_state(module.model, trainer.optimizers[0], strategy.core.mesh.get_group("ep"))
-    report = {"rank": dist.get_rank(), "state": state, "losses": module.losses,
+    handler = checkpointing.peer_failures
+    report = {"rank": dist.get_rank(), "pid": os.getpid(), "state": state,
+              "losses": module.losses,
               "paused_forward_backward": checkpointing.coordinator.paused_forward_backward,
-              "faults": {} if injector is None else injector.metrics()}
+              "faults": {} if injector is None else injector.metrics(),
+              "real_recoveries": [] if handler is None else handler.recoveries}
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, report)
     if dist.get_rank() == 0:

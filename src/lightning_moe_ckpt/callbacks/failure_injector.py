@@ -87,6 +87,11 @@ class FailureInjector(L.Callback, StepHooks):
         self.target = target
         self.rank, self.world_size = rank, world_size
         target.hooks.append(self)
+        handler = self.checkpointing.peer_failures
+        if handler is not None:  # real failures of peers are recovered on this rank
+            handler.recovery_started = self.fail_during_recovery
+            if handler.job.replaces is not None:  # this rank's own fault is behind it
+                self.real_from = target.step + 1
         replicator = self.checkpointing.coordinator.replicator
         if replicator is not None:  # real faults in phase "replication" strike from there
             replicator.before_payload = self._fail_while_replicating

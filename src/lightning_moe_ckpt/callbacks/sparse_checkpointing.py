@@ -17,6 +17,11 @@ For ``moevement`` without a forced ``window`` the first ``warmup_iterations`` ar
 (iteration time, device-to-host bandwidth) before the first window is planned; all ranks
 agree on the largest W so window boundaries line up. Metrics logged every step:
 snapshot bytes, stall ms, W, reorders, replication lag.
+
+Under the supervisor (``python -m lightning_moe_ckpt.supervise``) a user's module split by
+``TrainerMoEParallelStrategy`` is also protected against workers that really die or hang
+(:mod:`~lightning_moe_ckpt.strategies.real_failures`); :attr:`SparseCheckpointing.peer_failures`
+then records each recovery.
 """
 
 from __future__ import annotations
@@ -37,7 +42,10 @@ from lightning_moe_ckpt.checkpoint.profiler import IterationProfiler, measure_ba
 from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
 from lightning_moe_ckpt.errors import fmt, require
 from lightning_moe_ckpt.operators import OperatorOverride
+from lightning_moe_ckpt.recovery.real_failures import PeerFailureHandler
+from lightning_moe_ckpt.recovery.rendezvous import JobStore
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
+from lightning_moe_ckpt.strategies.real_failures import check_replaceable, protect_user_module
 from lightning_moe_ckpt.strategies.trainer import MoEParallelStrategy
 from lightning_moe_ckpt.targets.base import StepHooks, StepResult, TrainingTarget
 from lightning_moe_ckpt.targets.fabric import FabricTarget, ProtectedStep, StepFunction
@@ -144,6 +152,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self._upstream_log_peak = 0
         self._pending_state: dict[str, Any] | None = None
         self._started = 0.0
+        # Real failures of peers recovered on this rank (a supervised job), else None.
+        self.peer_failures: PeerFailureHandler | None = None
 
     @property
     @override
@@ -206,6 +216,10 @@ class SparseCheckpointing(L.Callback, StepHooks):
         """Fabric: protect ``model``/``optimizer`` (as ``fabric.setup`` returned them),
         trained by ``step_fn(batch)`` (forward, ``fabric.backward``, ``optimizer.step()``);
         call the returned step with each batch instead of ``step_fn``."""
+        require(fabric.world_size == 1 or JobStore.from_env() is None,
+                "real failures of a Fabric loop's own model are not recovered in this "
+                "version: under the supervisor, train it with L.Trainer and "
+                "TrainerMoEParallelStrategy (a PipelineTrainable module)")
         target = FabricTarget(fabric, model, optimizer, step_fn, schedulers, self.operators,
                               self.top_k, self.router_parser)
         self.attach(target, rank=fabric.global_rank, world_size=fabric.world_size,
@@ -302,13 +316,24 @@ class SparseCheckpointing(L.Callback, StepHooks):
         if self.target is not None:
             return  # attached already (FailureInjector listed first)
         if isinstance(pl_module, MoELanguageModule):
-            target: TrainingTarget = pl_module.engine_or_raise()
-        else:
-            target = LightningTarget(trainer, pl_module, self.operators, self.top_k,
-                                     self.router_parser)
-            target.set_step(trainer.global_step)
-        self.attach(target, rank=trainer.global_rank, world_size=trainer.world_size,
-                    ranks_per_node=max(1, trainer.num_devices), device=pl_module.device)
+            self.attach(pl_module.engine_or_raise(), rank=trainer.global_rank,
+                        world_size=trainer.world_size,
+                        ranks_per_node=max(1, trainer.num_devices), device=pl_module.device)
+            return
+        target = LightningTarget(trainer, pl_module, self.operators, self.top_k,
+                                 self.router_parser)
+        target.set_step(trainer.global_step)
+        job = JobStore.from_env() if trainer.world_size > 1 else None
+        if job is not None:
+            check_replaceable(trainer)
+        coordinator = self.attach(target, rank=trainer.global_rank,
+                                  world_size=trainer.world_size,
+                                  ranks_per_node=max(1, trainer.num_devices),
+                                  device=pl_module.device,
+                                  take_initial=job is None or job.replaces is None)
+        if job is not None:  # a replacement recovers its rank's state in here
+            self.peer_failures = protect_user_module(trainer, target, coordinator,
+                                                     self.upstream_log, job)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
@@ -356,6 +381,9 @@ class SparseCheckpointing(L.Callback, StepHooks):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.close()
+        if self.peer_failures is not None:  # the supervisor no longer watches this rank
+            self.peer_failures.job.training_finished()
+            self.peer_failures.job.stop_heartbeat()
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -51,6 +51,7 @@ class StagedExecutor:
         self.groups = groups
         self.loss_fn = loss_fn
         self.device = device
+        self.micro_batch, self.seq_len = micro_batch, seq_len
         self.iteration = 0
         self.forward_backward_calls = 0
         self.replaying = False
@@ -91,6 +92,19 @@ class StagedExecutor:
             loss.backward()
             total = total + loss.detach()
         return total
+
+    def warm_up(self) -> None:
+        """One forward/backward of token id 0 through a freshly built pipeline schedule, its
+        gradients dropped: the schedule exchanges its start-up messages with the
+        neighbours here, on every rank together, and not later in a localized replay
+        where the neighbours are paused (collective; nothing to do without a pipeline)."""
+        if self.runner is None:
+            return
+        shape = (self.plan.microbatches, self.micro_batch, self.seq_len)
+        tokens = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        self.runner.run(-1, tokens, tokens)  # iteration -1: the boundary hooks stay silent
+        for param, _ in self.trainable:
+            param.grad = None
 
     def reduce_gradients(self) -> None:
         """Gradients of the mean loss over the global batch, in place (collective)."""

@@ -25,7 +25,9 @@ class BatchRecord:
     step: int
     batch: Any  # host copy of the batch (tensors on the CPU, structure kept)
     batch_idx: int
-    state: dict[str, Any]  # target-specific: RNG, LR schedulers, param groups
+    # Target-specific (RNG, LR schedulers, param groups); None for a batch read again from
+    # the loader by a process that joined later (its state evolves through the replay).
+    state: dict[str, Any] | None
 
     @property
     def nbytes(self) -> int:

@@ -41,10 +41,11 @@ from lightning_moe_ckpt.recovery.entry import (
 )
 from lightning_moe_ckpt.recovery.rendezvous import JobStore
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
-from lightning_moe_ckpt.targets.base import StepHooks
-from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.targets.base import StepHooks, TrainingTarget
 
-Reform = Callable[[], None]  # rebuild the mesh, executor and replication groups
+# Rebuild the mesh, the executor's and the replication groups over the live state, in the
+# order a joining process builds them (collective).
+Reform = Callable[[], None]
 WarmUp = Callable[[], None]  # a collective first pass through the rebuilt pipeline
 
 
@@ -53,7 +54,7 @@ class PeerFailureHandler(StepHooks):
     """Turns a peer's real failure into a re-formed job and a recovery on this rank."""
 
     job: JobStore
-    engine: TrainingEngine
+    target: TrainingTarget
     coordinator: CheckpointCoordinator
     reform_groups: Reform
     warm_up: WarmUp
@@ -93,11 +94,11 @@ class PeerFailureHandler(StepHooks):
         with self.job.busy():
             role = "replacement" if replacing else "survivor"
             print(f"rank {self.job.rank} ({role}, pid {os.getpid()}): recovering from "
-                  f"generation {self.job.generation} at step {self.engine.step}",
+                  f"generation {self.job.generation} at step {self.target.step}",
                   file=sys.stderr, flush=True)
             self.coordinator.snapshots.wait_copies()  # issued copies finish (survivor)
-            self.engine.optimizer.zero_grad()  # the aborted iteration's partial gradients
-            attempt = _Attempt(None if replacing else self.engine.step, set(),
+            self.target.optimizer.zero_grad()  # the aborted iteration's partial gradients
+            attempt = _Attempt(None if replacing else self.target.step, set(),
                                formed=replacing)  # a replacement formed its groups at launch
             while True:
                 try:
@@ -160,8 +161,8 @@ class PeerFailureHandler(StepHooks):
         attempt.failed |= {rank for _, known in views for rank in known}
         attempt.failed |= set(self.job.failed_ranks(self.job.generation))
         attempt.step = failed_step
-        if self.engine.step != failed_step:
-            self.engine.set_step(failed_step)
+        if self.target.step != failed_step:
+            self.target.set_step(failed_step)
         self.recovery_started(failed_step)
         outcome = recover(RecoveryRequest(failed_step, tuple(sorted(attempt.failed))),
                           self.coordinator, self.upstream_log, self.durable)

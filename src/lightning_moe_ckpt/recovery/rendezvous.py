@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore, distributed_c10d
 
+from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
 from lightning_moe_ckpt.recovery.supervisor import (
     ENV_GENERATION,
@@ -32,6 +33,8 @@ from lightning_moe_ckpt.recovery.supervisor import (
     ENV_STORE,
     EXIT_UNRECOVERABLE,
     FINISHED_KEY,
+    TIMEOUT_KEY,
+    finished_key,
     heartbeat_key,
 )
 
@@ -128,7 +131,15 @@ class JobStore:
         if job is None:
             replaces = os.environ.get(ENV_REPLACES)
             timeout = timedelta(seconds=3 * timeout_s)
-            job = cls(_client(address, timeout), address, int(os.environ["RANK"]),
+            store = _client(address, timeout)
+            supervisor_s = float(store.get(TIMEOUT_KEY))
+            if supervisor_s != float(timeout_s):
+                raise ConfigError(
+                    f"recovery_timeout_s={timeout_s} (recovery.timeout_s) differs from the "
+                    f"supervisor's hang timeout {supervisor_s} s (--timeout-s): collectives "
+                    "must give up on a dead peer well before the supervisor takes a "
+                    "recovering worker for hung; use the same value for both")
+            job = cls(store, address, int(os.environ["RANK"]),
                       int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")),
                       None if replaces is None else int(replaces), timeout,
                       timedelta(seconds=timeout_s / 3))
@@ -173,7 +184,9 @@ class JobStore:
             self._newest_seen = int(store.get("generation"))
 
     def training_finished(self) -> None:
-        """This worker's training loop ended (the supervisor times the job's training)."""
+        """This worker's training loop ended: the supervisor times the job's training
+        and no longer expects its heartbeat."""
+        self.store.set(finished_key(self.rank, os.getpid()), "1")
         self.store.add(FINISHED_KEY, 1)
 
     def stop_heartbeat(self) -> None:

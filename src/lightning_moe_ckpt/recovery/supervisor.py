@@ -48,9 +48,17 @@ EXIT_UNRECOVERABLE = 86
 FINISHED_KEY = "finished"  # counter: workers whose training loop ended
 
 
+TIMEOUT_KEY = "timeout_s"  # the supervisor's hang timeout, which workers must share
+
+
 def heartbeat_key(rank: int, pid: int) -> str:
     """The store counter a worker process bumps (per process: a replacement starts anew)."""
     return f"hb/{rank}/{pid}"
+
+
+def finished_key(rank: int, pid: int) -> str:
+    """Set by a worker process whose training loop ended: its heartbeat stops for good."""
+    return f"finished/{rank}/{pid}"
 
 
 @dataclass
@@ -93,6 +101,7 @@ class Supervisor:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=max(30.0, self.timeout_s)))
         store.set("generation", "0")
+        store.set(TIMEOUT_KEY, repr(float(self.timeout_s)))
         self.started = time.monotonic()
         base = {**os.environ, **self.env, ENV_STORE: f"127.0.0.1:{store.port}",
                 "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(self.world_size),
@@ -189,6 +198,8 @@ class Supervisor:
 
     def _hung(self, store: TCPStore, rank: int, pid: int,
               beats: dict[int, tuple[int, float]]) -> bool:
+        if store.check([finished_key(rank, pid)]):
+            return False  # its training is over: no more beats are due
         count = int(store.add(heartbeat_key(rank, pid), 0))
         last, since = beats[rank]
         now = time.monotonic()
@@ -205,7 +216,8 @@ class Supervisor:
         status = {"store": f"127.0.0.1:{store.port}", "supervisor": os.getpid(),
                   "ranks": {str(rank): process.pid for rank, process in workers.items()},
                   "idle_spares": [process.pid for _, process in idle],
-                  "replacements": len(self.replacements)}
+                  "replacements": report_of(self.replacements),
+                  "worker_pids": {str(rank): pids for rank, pids in self.pids.items()}}
         partial = self.status_path.with_suffix(".tmp")
         partial.write_text(json.dumps(status))
         partial.replace(self.status_path)  # readers never see half a file

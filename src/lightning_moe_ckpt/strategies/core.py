@@ -12,7 +12,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.parallel.engine import build_parallel_engine, build_parallel_executor
+from lightning_moe_ckpt.parallel.engine import (
+    ProcessGroups,
+    build_parallel_engine,
+    build_parallel_executor,
+)
 from lightning_moe_ckpt.parallel.pipeline import BoundaryHook
 from lightning_moe_ckpt.parallel.topology import MESH_DIMS, SCHEDULES, Coordinates
 from lightning_moe_ckpt.training.engine import TrainingEngine
@@ -47,10 +51,17 @@ class MoEParallelCore:
                 f"world size {world_size} (devices x nodes)")
 
     def setup_mesh(self, device_type: str) -> DeviceMesh:
-        """Build the mesh (the default process group must exist)."""
+        """Build the mesh and every process group the executors use (the default process
+        group must exist).
+
+        Creating a group is collective over the world, so all of them are created here,
+        at one point every process reaches in the same order (at launch, and again when
+        the groups are re-formed after a failure), never later inside an iteration or a
+        recovery that only some ranks run. Later lookups hit the mesh's cache."""
         assert isinstance(self.dp, int), "resolve() runs before setup_mesh()"
         self.mesh = init_device_mesh(device_type, (self.pp, self.dp, self.ep),
                                      mesh_dim_names=MESH_DIMS)
+        ProcessGroups.from_mesh(self.mesh)  # the stage's dp x ep group, flattened
         return self.mesh
 
     @property

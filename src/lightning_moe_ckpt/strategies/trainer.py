@@ -20,6 +20,8 @@ machines.
 
 from __future__ import annotations
 
+import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,8 @@ from lightning_moe_ckpt.parallel.model_plans import (
     ParallelizeFn,
 )
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
+from lightning_moe_ckpt.recovery.rendezvous import await_assignment
+from lightning_moe_ckpt.recovery.supervisor import ENV_REPLACES
 from lightning_moe_ckpt.strategies.common import (
     assign_world_ranks,
     barrier,
@@ -44,6 +48,7 @@ from lightning_moe_ckpt.strategies.common import (
     register,
 )
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
+from lightning_moe_ckpt.strategies.real_failures import JoiningLoader
 from lightning_moe_ckpt.strategies.user_model import UserModelSplit
 from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
 from lightning_moe_ckpt.targets.user_loop import clip_by_total_norm
@@ -61,6 +66,10 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
                  recovery_timeout_s: float = 60.0, microbatches: int = 1,
                  parallelize_fn: ParallelizeFn | None = None) -> None:
         super().__init__()
+        # A warm spare of a supervised job waits here, its imports and configuration done,
+        # until the supervisor hands it a failed rank (which sets this process's rank).
+        if not await_assignment():
+            sys.exit(0)  # the job ended without needing this spare
         self.core = MoEParallelCore(pp, dp, ep, schedule)
         # A user's PipelineTrainable module: its model split by a plan, run by the
         # staged executor in ``microbatches`` micro-batches per batch.
@@ -74,7 +83,7 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
         # A replacement joining a running job: the Trainer's own start-up collectives
         # (log directory, barriers) stay local, since the survivors are recovering and
         # will not mirror them; it joins their collectives at its recovery.
-        self.joining_running_job = False
+        self.joining_running_job = ENV_REPLACES in os.environ
 
     @property
     @override
@@ -174,6 +183,44 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
 
         # An instance attribute: only this strategy's plugin is rerouted.
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @property
+    @override
+    def replaces_failed_ranks(self) -> bool:
+        return True
+
+    @override
+    def reform_user_model(self) -> None:
+        self.user_model.reform(self.root_device)
+
+    @override
+    def warm_up_user_model(self, sample_batch: Any) -> None:
+        module = self.lightning_module
+        assert isinstance(module, PipelineTrainable)
+        inputs, _ = module.split_batch(self.batch_to_device(sample_batch))
+        self.user_model.warm_up(module.microbatch_loss, inputs, self.root_device)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        module = self.lightning_module
+        if (self.joining_running_job and self.user_model.staged is not None
+                and module is not None and module.trainer.training):
+            # A replacement's train loader starts where the job resumes.
+            return JoiningLoader(dataloader, lambda: module.trainer.num_training_batches)
+        return dataloader
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None,
+                       **kwargs: Any) -> Any:
+        step = super().optimizer_step
+        guard = self.iteration_guard
+        if guard is None:
+            return step(optimizer, closure, model, **kwargs)
+        return guard.guarded(lambda: step(optimizer, closure, model, **kwargs))
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.joining_running_job = False  # from its first batch on, in step with all
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

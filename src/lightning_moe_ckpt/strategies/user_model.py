@@ -7,6 +7,11 @@ batch's micro-batches through the staged executor, built at the first batch beca
 pipeline's static boundary shapes come from it. The full model's layer and expert counts
 and parameter order are read before pruning: routing telemetry, the planner's layout and
 the grad-norm vector span the whole model.
+
+After a failed rank is replaced, :meth:`UserModelSplit.reform` rebuilds the mesh, points
+the expert shards at its expert-parallel group and rebuilds the executor over the live
+model; :meth:`UserModelSplit.warm_up` then runs the new schedule's start-up exchange on
+every rank together (a joining process builds its executor there too).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from torch import nn
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.parallel.engine import ProcessGroups
+from lightning_moe_ckpt.parallel.fused_experts import ExpertShard
 from lightning_moe_ckpt.parallel.model_plans import (
     ModelShape,
     ParallelizeFn,
@@ -39,6 +45,7 @@ class UserModelSplit:
         self.parallelize_fn = parallelize_fn
         self.staged: StagedModel | None = None
         self.executor: StagedExecutor | None = None
+        self._loss_fn: LossFn | None = None
         self.shape = ModelShape(0, 0)
         self.full_names: list[str] = []
 
@@ -67,10 +74,8 @@ class UserModelSplit:
         in ``microbatches`` micro-batches; returns the mean loss over the global batch
         (gradients are this rank's sums: :meth:`StagedExecutor.reduce_gradients` next)."""
         count = self.microbatches
-        if inputs.shape[0] % count:
-            raise ConfigError(f"a batch of {inputs.shape[0]} sequences does not split into "
-                              f"parallel.microbatches={count} micro-batches")
-        executor = self._executor(loss_fn, inputs.shape[0] // count, inputs.shape[-1], device)
+        self._micro_batch(inputs)
+        executor = self.ensure_executor(loss_fn, inputs, device)
         loss_sum = executor.forward_backward(inputs.reshape(count, -1, inputs.shape[-1]),
                                              targets.reshape(count, -1, targets.shape[-1]))
         return executor.global_loss(loss_sum)
@@ -81,14 +86,54 @@ class UserModelSplit:
             raise RuntimeError("gradients exist after a forward/backward")
         return self.executor.grad_norm()
 
-    def _executor(self, loss_fn: LossFn, micro_batch: int, seq_len: int,
-                  device: torch.device) -> StagedExecutor:
+    def ensure_executor(self, loss_fn: LossFn, inputs: torch.Tensor,
+                        device: torch.device) -> StagedExecutor:
+        """The executor, built at the first batch (``inputs``: its ``[B, S]`` token ids):
+        the pipeline's static boundary shapes come from it."""
         if self.executor is None:
-            layout = self.layout()
-            if layout is None or self.staged is None or self.core.mesh is None:
-                raise RuntimeError("split the model before training it")
-            self.executor = StagedExecutor(
-                self.staged, layout, ProcessGroups.from_mesh(self.core.mesh),
-                self.core.coordinates, device, micro_batch, seq_len, loss_fn,
-                self.core.boundary_hooks, self.full_names)
+            self._build_executor(loss_fn, self._micro_batch(inputs), inputs.shape[-1], device)
+        assert self.executor is not None
         return self.executor
+
+    def _micro_batch(self, inputs: torch.Tensor) -> int:
+        count = self.microbatches
+        if inputs.shape[0] % count:
+            raise ConfigError(f"a batch of {inputs.shape[0]} sequences does not split into "
+                              f"parallel.microbatches={count} micro-batches")
+        return inputs.shape[0] // count
+
+    def reform(self, device: torch.device) -> None:
+        """The default process group was formed anew (a failed rank was replaced): rebuild
+        the mesh (collective, as at launch), point the expert shards at its
+        expert-parallel group and rebuild the executor over the live model, keeping its
+        iteration and pass counts."""
+        mesh = self.core.setup_mesh(device.type)
+        if self.staged is not None:
+            group = mesh.get_group("ep")
+            for module in self.staged.model.modules():
+                if isinstance(module, ExpertShard):
+                    module.ep_group = group
+        old = self.executor
+        if old is not None:
+            assert self._loss_fn is not None
+            self.executor = None
+            self._build_executor(self._loss_fn, old.micro_batch, old.seq_len, old.device)
+            assert self.executor is not None
+            self.executor.iteration = old.iteration
+            self.executor.forward_backward_calls = old.forward_backward_calls
+
+    def warm_up(self, loss_fn: LossFn, inputs: torch.Tensor, device: torch.device) -> None:
+        """Build the executor if this process has none yet (from ``inputs``, a batch's
+        token ids) and run the pipeline's start-up exchange (collective)."""
+        self.ensure_executor(loss_fn, inputs, device).warm_up()
+
+    def _build_executor(self, loss_fn: LossFn, micro_batch: int, seq_len: int,
+                        device: torch.device) -> None:
+        layout = self.layout()
+        if layout is None or self.staged is None or self.core.mesh is None:
+            raise RuntimeError("split the model before training it")
+        self._loss_fn = loss_fn
+        self.executor = StagedExecutor(
+            self.staged, layout, ProcessGroups.from_mesh(self.core.mesh),
+            self.core.coordinates, device, micro_batch, seq_len, loss_fn,
+            self.core.boundary_hooks, self.full_names)

@@ -17,7 +17,7 @@ back and the observers take their snapshot). Observers are :class:`StepHooks`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -67,9 +67,35 @@ class PipelineExecution(Protocol):
     replaying: bool  # set during the replay: no collective may span the world
 
 
+class IterationGuard(Protocol):
+    """Runs a loop's optimizer step again when a peer's failure interrupted it."""
+
+    def guarded(self, call: Callable[[], Any]) -> Any: ...
+
+
 class UserModelParallelism(ABC):
     """A strategy that runs a user's own model under ``pp x dp x ep``: what the targets of
     a user's loop read from it."""
+
+    # Set when real failures are recovered: every optimizer step runs through it.
+    iteration_guard: IterationGuard | None = None
+
+    @property
+    def replaces_failed_ranks(self) -> bool:
+        """Whether a failed rank can be replaced under this strategy: its process groups
+        are re-formed over the live model (:meth:`reform_user_model`,
+        :meth:`warm_up_user_model`) and its loop retries an interrupted step."""
+        return False
+
+    def reform_user_model(self) -> None:
+        """The default process group was formed anew: rebuild the mesh, the expert and
+        pipeline groups and the executor over the live model (collective)."""
+        raise NotImplementedError(f"{type(self).__name__} does not replace failed ranks")
+
+    def warm_up_user_model(self, sample_batch: Any) -> None:
+        """A collective first pass through the rebuilt pipeline (``sample_batch``: a batch
+        of the loop's, for the pipeline's shapes where this process has none yet)."""
+        raise NotImplementedError(f"{type(self).__name__} does not replace failed ranks")
 
     @abstractmethod
     def user_layout(self) -> ParallelPlan | None:

@@ -9,6 +9,10 @@ strategy, exactly as the fit loop does it:
   ``configure_gradient_clipping`` run as in training);
 * manual optimization: ``strategy.training_step``, which steps the optimizer itself.
 
+After a replayed step the target steps the LR schedulers as the Trainer does after an
+optimizer step (``interval="step"``, every ``frequency`` batches of the epoch; manual
+optimization steps its own inside ``training_step``, which the replay runs).
+
 Gradient clipping by norm (``Trainer(gradient_clip_val=...)`` or
 ``self.clip_gradients(...)`` in manual optimization) runs through the precision plugin's
 ``clip_grad_by_norm``, which this target routes through
@@ -31,6 +35,7 @@ from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.operators import OperatorOverride, OperatorRegistry
 from lightning_moe_ckpt.precision import MasterWeightOptimizer
 from lightning_moe_ckpt.recovery.batch_log import BatchRecord
+from lightning_moe_ckpt.targets.base import IterationAborted
 from lightning_moe_ckpt.targets.telemetry import RouterParser, RouterTelemetry, configured_top_k
 from lightning_moe_ckpt.targets.user_loop import (
     UserLoopTarget,
@@ -95,12 +100,25 @@ class LightningTarget(UserLoopTarget):
 
     @override
     def start_iteration(self, batch: Any, batch_idx: int) -> None:
-        if self.trainer.global_step != self.step:
+        step = self.step
+        if self.trainer.global_step != step:
             raise RuntimeError(
                 f"the Trainer is at step {self.trainer.global_step} but SparseCheckpointing "
-                f"counted {self.step} optimizer steps: an optimizer step ran outside the "
+                f"counted {step} optimizer steps: an optimizer step ran outside the "
                 "protected optimizer, or was skipped")
-        super().start_iteration(batch, batch_idx)
+        try:
+            super().start_iteration(batch, batch_idx)
+        except IterationAborted:  # a peer failed, and this rank had run past that step
+            self.catch_up(step)
+
+    @override
+    def advance_schedule(self, batch_idx: int) -> None:
+        if not self.module.automatic_optimization:
+            return
+        for config in self.trainer.lr_scheduler_configs:
+            if (config.interval == "step" and not config.reduce_on_plateau
+                    and (batch_idx + 1) % config.frequency == 0):
+                self.module.lr_scheduler_step(config.scheduler, None)
 
     @override
     def run_step(self, record: BatchRecord) -> None:
@@ -124,20 +142,3 @@ class LightningTarget(UserLoopTarget):
         self.module.optimizer_step(trainer.current_epoch, record.batch_idx, optimizer,
                                    closure)
 
-
-def align_trainer_step(trainer: L.Trainer, step: int, batches: bool) -> None:
-    """Make a Trainer running manual optimization count ``step`` optimizer steps (and,
-    with ``batches``, ``step`` batches run), as if it had run them.
-
-    A replacement joins a running job at ``step`` before its first batch: both counts are
-    set. A survivor whose iteration a peer's failure aborted (possibly after its optimizer
-    stepped) retries it inside the same batch: only the optimizer steps are set back, the
-    batch it is in counts once. Data position, validation and ``max_steps`` follow these
-    counters, and they must agree on every rank."""
-    loop = trainer.fit_loop.epoch_loop
-    optimizer_steps = loop.manual_optimization.optim_step_progress.total
-    optimizer_steps.ready = optimizer_steps.completed = step
-    if batches:
-        for counter in ("ready", "started", "processed", "completed"):
-            setattr(loop.batch_progress.total, counter, step)
-        loop._batches_that_stepped = step  # the logging step

@@ -19,6 +19,13 @@ Gradient clipping by norm goes through :meth:`UserLoopTarget.clip_gradients`, wh
 computes the coefficient exactly as ``torch.nn.utils.clip_grad_norm_`` does, records it
 for the snapshot metadata and, during sparse-to-dense conversion, applies the logged one
 instead (frozen operators make the global norm incomputable).
+
+A replayed iteration also redoes what the loop does between an optimizer step and the
+next iteration (:meth:`UserLoopTarget.advance_schedule`: the Trainer steps its LR
+schedulers there), so the per-iteration state evolves through a replay as it did in
+training. A rank that logged the iteration restores the logged state over it; a process
+that joined later (a replacement) reads the batches again (:attr:`UserLoopTarget.reread`)
+and relies on that evolution, starting from the snapshot's metadata.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -37,6 +45,7 @@ from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.recovery.batch_log import BatchLog, BatchRecord, host_copy
 from lightning_moe_ckpt.targets.base import (
+    IterationAborted,
     PipelineExecution,
     StepTelemetry,
     TrainingTarget,
@@ -66,9 +75,14 @@ class UserLoopTarget(TrainingTarget):
         self.split = None if parallelism is None else parallelism.user_layout()
         self.batch_log: BatchLog = BatchLog()
         self.clip_override: torch.Tensor | None = None  # the logged coefficient in replay
+        # Where a process that joined the job later reads the batch of an iteration its
+        # batch log does not hold (its own loader again).
+        self.reread: Callable[[int], BatchRecord] | None = None
         self._clip: torch.Tensor | None = None  # this iteration's coefficient
         self._lr = 0.0
         self._iterations = 0
+        self._batch_idx = 0  # the running iteration's index in its epoch
+        self._after_step = False  # inside the optimizer's post-step hook
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
                          optimizer.register_step_post_hook(self._post_step)]
 
@@ -140,11 +154,16 @@ class UserLoopTarget(TrainingTarget):
         hard, soft = (None, None) if self.telemetry is None else self.telemetry.take()
         clip, self._clip = self._clip, None
         self._iterations += 1
-        self.finish_iteration(StepTelemetry(clip, self._lr, hard, soft))
+        self._after_step = True  # the snapshot's metadata is the state right after a step
+        try:
+            self.finish_iteration(StepTelemetry(clip, self._lr, hard, soft))
+        finally:
+            self._after_step = False
 
     # --- per-iteration state ---------------------------------------------------------
     def start_iteration(self, batch: Any, batch_idx: int) -> None:
         """Iteration ``step`` starts on ``batch``: log it, then run the observers."""
+        self._batch_idx = batch_idx
         self.batch_log.log(BatchRecord(self.step, host_copy(batch), batch_idx,
                                        self.schedule_state()))
         self.begin_iteration()
@@ -154,34 +173,103 @@ class UserLoopTarget(TrainingTarget):
         return {"rng": rng_state(),
                 "lr_schedulers": [s.state_dict() for s in self.schedulers],
                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                 for g in self.optimizer.param_groups]}
+                                 for g in self.optimizer.param_groups],
+                # Taken right after an optimizer step (a snapshot's metadata): the loop's
+                # work after that step (advance_schedule) is still to come.
+                "after_step_of_batch": self._batch_idx if self._after_step else None}
 
     @override
     def restore_schedule_state(self, metadata: Mapping[str, Any]) -> None:
-        for scheduler, state in zip(self.schedulers, metadata["lr_schedulers"], strict=True):
-            scheduler.load_state_dict(state)
-        for group, saved in zip(self.optimizer.param_groups, metadata["param_groups"],
+        self._restore_state(metadata)
+        if metadata["after_step_of_batch"] is not None:
+            self.advance_schedule(metadata["after_step_of_batch"])
+
+    def _restore_state(self, state: Mapping[str, Any]) -> None:
+        for scheduler, saved in zip(self.schedulers, state["lr_schedulers"], strict=True):
+            scheduler.load_state_dict(saved)
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"],
                                 strict=True):
             group.update(saved)
-        restore_rng(metadata["rng"])
+        restore_rng(state["rng"])
+
+    def advance_schedule(self, batch_idx: int) -> None:
+        """What the loop does between the optimizer step of the iteration at ``batch_idx``
+        (in its epoch) and the next iteration, redone after a replayed step; nothing
+        here (a Fabric step function holds all of it)."""
+
+    def batch_record(self, step: int) -> BatchRecord:
+        """The logged batch of iteration ``step``, or the one read again (a process that
+        joined later holds no log of the iterations before it)."""
+        record = self.batch_log.records.get(step)
+        if record is None and self.reread is not None:
+            return self.reread(step)
+        return self.batch_log.get(step)
 
     @override
     def resume_at(self, step: int) -> None:
         self.set_step(step)
         record = self.batch_log.records.get(step)
-        if record is not None:  # the aborted iteration starts over from its own state
-            self.restore_schedule_state(record.state)
+        if record is not None and record.state is not None:
+            self._restore_state(record.state)  # the aborted iteration starts over as logged
 
     @override
     def replay_iteration(self, step: int, clip_coef: torch.Tensor | None) -> None:
-        record = self.batch_log.get(step)
-        self.restore_schedule_state(record.state)
+        record = self.batch_record(step)
+        if record.state is not None:
+            self._restore_state(record.state)
         self.set_step(step)
         self.clip_override = clip_coef
         try:
             self.run_step(record)
         finally:
             self.clip_override = None
+        self.advance_schedule(record.batch_idx)
+
+    def sample_batch(self) -> Any:
+        """A batch shaped like every iteration's: the newest logged one, or (a process that
+        joined later, before its first iteration) the first one read again."""
+        records = self.batch_log.records
+        if records:
+            return records[max(records)].batch
+        if self.reread is None:
+            raise RuntimeError("no batch logged or readable yet")
+        return self.reread(0).batch
+
+    def discard_telemetry(self) -> None:
+        """Drop the routing counted since the last step (a pass that trained nothing)."""
+        if self.telemetry is not None:
+            self.telemetry.take()
+
+    def catch_up(self, step: int) -> None:
+        """A recovery moved this rank back (it had run past the iteration that failed):
+        run the iterations up to ``step`` again from the batch log, as the first time
+        (observers and snapshots included), then stand at the start of ``step``."""
+        while self.step < step:
+            record = self.batch_log.get(self.step)
+            if record.state is not None:
+                self._restore_state(record.state)
+            self._batch_idx = record.batch_idx
+            self.begin_iteration()
+            self.run_step(record)
+            self.advance_schedule(record.batch_idx)
+        self.resume_at(step)
+
+    def guarded(self, call: Callable[[], Any]) -> Any:
+        """Run ``call`` (the loop's optimizer step: forward, backward, clipping, update);
+        when a peer's failure interrupts it and the job recovered, run it again from the
+        recovered state, or not at all when every rank had completed it."""
+        step = self.step
+        while True:
+            try:
+                return call()
+            except IterationAborted:
+                pass
+            except RuntimeError as error:  # a broken collective or P2P (DistBackendError)
+                with suppress(IterationAborted):
+                    self.iteration_failed(error)  # re-raises unless a peer failed
+            if self.step > step:
+                return None  # the job resumed after this iteration: it is done
+            self.catch_up(step)
 
     @abstractmethod
     def run_step(self, record: BatchRecord) -> None:
