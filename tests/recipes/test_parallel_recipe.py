@@ -67,7 +67,8 @@ def test_strategies_are_registered_by_name() -> None:
 
 def test_users_hf_model_under_pp2_ep2_recovers_a_failure_bitwise(tmp_path: Path) -> None:
     """The issue's command, shortened: a Hugging Face Qwen3-MoE split by the built-in plan
-    over 4 processes, rank 2 (the last stage) failing mid-window at step 9."""
+    over 4 processes, rank 2 (the last stage) failing mid-window at step 9, simulated and
+    then really killed (the supervisor replaces it)."""
     pytest.importorskip("transformers")
     common = ("model=hf_qwen3_moe", "parallel.pp=2", "parallel.ep=2", "trainer.max_steps=14",
               "checkpoint.window=4")
@@ -87,4 +88,17 @@ def test_users_hf_model_under_pp2_ep2_recovers_a_failure_bitwise(tmp_path: Path)
     (recovery,) = metrics["recoveries"]
     assert recovery["ranks_rolled_back"] == [2, 3]  # the failed stage only
     assert recovery["iterations_replayed"] >= 1
+    assert metrics["loss"] == golden_metrics["loss"]
+    killed = run_recipe(tmp_path / "killed", *common, "faults=at", "faults.kind=kill",
+                        "faults.events=[{step: 9, rank: 2}]")
+    assert killed.returncode == 0, killed.stderr[-4000:]
+    assert_states_equal(tmp_path / "golden" / "final_state.pt",
+                        tmp_path / "killed" / "final_state.pt")
+    metrics = json.loads((tmp_path / "killed" / "metrics.json").read_text())
+    (replacement,) = metrics["replacements"]
+    assert replacement["rank"] == 2 and replacement["cause"] == "exit -9"
+    assert all(len(metrics["worker_pids"][str(rank)]) == 1 for rank in (0, 1, 3))
+    (real,) = metrics["real_recoveries"]
+    assert real["failed_step"] == 9 and real["ranks_rolled_back"] == [2, 3]
+    assert real["paused_forward_backward"] == {"0": 0, "1": 0}
     assert metrics["loss"] == golden_metrics["loss"]

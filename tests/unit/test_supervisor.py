@@ -1,14 +1,21 @@
 """The supervisor on its own: it replaces a worker that exits or hangs (killing the hung
-one by its pid), gives every replacement the failed rank's identity, and stops with a
-non-zero code once ``max_restarts`` is used up. Workers here are tiny Python commands."""
+one by its pid), gives every replacement the failed rank's identity, leaves alone a worker
+whose training finished, and stops with a non-zero code once ``max_restarts`` is used up.
+Workers here are tiny Python commands; ``python -m lightning_moe_ckpt.supervise`` runs
+them from a script file."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
+from pathlib import Path
+
+import pytest
 
 from lightning_moe_ckpt.recovery.supervisor import Supervisor
+from lightning_moe_ckpt.supervise import main as supervise
 
 # A worker: rank 1 fails in generation 0 as told by argv[1] (exit, or hang after one
 # heartbeat); everyone else, and any replacement, finishes at once.
@@ -17,7 +24,7 @@ WORKER = textwrap.dedent("""
     from datetime import timedelta
     from torch.distributed import TCPStore
     from lightning_moe_ckpt.recovery.rendezvous import await_assignment
-    from lightning_moe_ckpt.recovery.supervisor import heartbeat_key
+    from lightning_moe_ckpt.recovery.supervisor import finished_key, heartbeat_key
     if not await_assignment():  # a warm spare the job did not need
         sys.exit(0)
     host, port = os.environ["MOE_STORE"].rsplit(":", 1)
@@ -28,6 +35,10 @@ WORKER = textwrap.dedent("""
     if rank == 1 and "MOE_REPLACES" not in os.environ:
         if sys.argv[1] == "exit":
             sys.exit(3)
+        if sys.argv[1] == "finished":  # its training is over; it lingers, then leaves
+            store.set(finished_key(rank, os.getpid()), "1")
+            time.sleep(8)
+            sys.exit(0)
         time.sleep(600)  # hang: no more heartbeats
 """)
 
@@ -39,14 +50,36 @@ def _supervisor(mode: str, max_restarts: int = 3, timeout_s: float = 30.0,
                       spares, env=env)
 
 
-def test_exited_worker_is_replaced_with_its_rank() -> None:
-    supervisor = _supervisor("exit")
+def test_exited_worker_is_replaced_with_its_rank(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ``python -m lightning_moe_ckpt.supervise`` with a script file."""
+    script, status = tmp_path / "worker.py", tmp_path / "workers.json"
+    script.write_text(WORKER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
+    assert supervise(["--workers", "3", "--status", str(status), str(script), "exit"]) == 0
+    view = json.loads(status.read_text())
+    (replacement,) = view["replacements"]
+    assert (replacement["rank"], replacement["generation"], replacement["cause"]) == (
+        1, 1, "exit 3")
+    assert replacement["new_pid"] != replacement["dead_pid"]
+    pids = view["worker_pids"]
+    assert pids["1"] == [replacement["dead_pid"], replacement["new_pid"]]
+    assert len(pids["0"]) == len(pids["2"]) == 1  # survivors untouched
+
+
+def test_the_command_line_names_a_bad_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        supervise(["--workers", "0", "train.py"])
+    assert "--workers=0 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        supervise(["--workers", "2"])
+    assert "name the training script" in capsys.readouterr().err
+
+
+def test_a_worker_whose_training_finished_is_not_taken_for_hung() -> None:
+    supervisor = _supervisor("finished", timeout_s=3.0)  # it lingers past the timeout
     assert supervisor.run() == 0
-    (replacement,) = supervisor.replacements
-    assert (replacement.rank, replacement.generation, replacement.cause) == (1, 1, "exit 3")
-    assert replacement.new_pid != replacement.dead_pid
-    assert supervisor.pids[1] == [replacement.dead_pid, replacement.new_pid]
-    assert len(supervisor.pids[0]) == len(supervisor.pids[2]) == 1  # survivors untouched
+    assert supervisor.replacements == []
 
 
 def test_a_warm_spare_takes_the_failed_rank_and_unused_spares_leave() -> None:

@@ -1,0 +1,124 @@
+"""A replacement joining a running job under the Trainer, piece by piece: its train loader
+starts where the job resumes and reads the replay's batches again, what it cannot
+reproduce is refused at set-up naming the setting, and its recovery timeout must be the
+supervisor's."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.parallel.topology import ParallelPlan
+from lightning_moe_ckpt.recovery.rendezvous import JobStore
+from lightning_moe_ckpt.recovery.supervisor import ENV_STORE, TIMEOUT_KEY
+from lightning_moe_ckpt.strategies.real_failures import JoiningLoader, check_replaceable
+from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
+
+
+def _loader(shuffle: bool = False) -> DataLoader[Any]:
+    data = TensorDataset(torch.arange(12))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=shuffle, seed=3)
+    return DataLoader(data, batch_size=2, sampler=sampler)  # 6 batches an epoch
+
+
+def _values(batches: Any) -> list[list[int]]:
+    return [batch[0].tolist() for batch in batches]
+
+
+def test_the_first_pass_starts_where_the_job_resumes_and_later_passes_are_whole() -> None:
+    loader = JoiningLoader(_loader(), lambda: 6)
+    assert len(loader) == 6 and loader.sampler is loader.loader.sampler
+    first = iter(loader)  # created before the recovery (Lightning does): nothing read yet
+    loader.start = 8  # epoch 1, batch 2
+    assert _values(first) == [[4, 5], [6, 7], [8, 9], [10, 11]]
+    assert _values(loader) == _values(_loader())  # the next epoch, whole
+
+
+def test_reading_before_the_recovery_set_the_start_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="read before this replacement recovered"):
+        next(iter(JoiningLoader(_loader(), lambda: 6)))
+
+
+def test_replay_batches_are_read_again_per_epoch_with_the_samplers_epoch() -> None:
+    reference = _loader(shuffle=True)
+    epochs = []
+    for epoch in range(2):
+        reference.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        epochs.append(_values(reference))
+    loader = JoiningLoader(_loader(shuffle=True), lambda: 6)
+    for step in (3, 4, 5, 6, 7, 2):  # forward within an epoch, then a new one, then back
+        record = loader.batch_record(step)
+        epoch, index = divmod(step, 6)
+        assert (record.step, record.batch_idx, record.state) == (step, index, None)
+        assert record.batch[0].tolist() == epochs[epoch][index]
+
+
+class _Splitting(UserModelParallelism):
+    """A strategy that split a user's model and replaces failed ranks."""
+
+    def __init__(self, replaces: bool = True) -> None:
+        self.replaces = replaces
+
+    @property
+    def replaces_failed_ranks(self) -> bool:
+        return self.replaces
+
+    def user_layout(self) -> ParallelPlan | None:
+        return ParallelPlan(2, 1, 1, 2, 2, 4)
+
+    def user_grad_norm(self) -> torch.Tensor:
+        return torch.zeros(())
+
+    @property
+    def data_shard(self) -> int:
+        return 0
+
+    @property
+    def user_pipeline(self) -> PipelineExecution | None:
+        return None
+
+
+def _trainer(strategy: object = None, schedulers: tuple[Any, ...] = (),
+             batches: int | float = 6) -> Any:
+    return SimpleNamespace(strategy=strategy if strategy is not None else _Splitting(),
+                           lightning_module=SimpleNamespace(automatic_optimization=True),
+                           lr_scheduler_configs=list(schedulers), num_training_batches=batches)
+
+
+def _scheduler(interval: str = "step", plateau: bool = False) -> Any:
+    return SimpleNamespace(scheduler=object(), interval=interval, reduce_on_plateau=plateau)
+
+
+def test_what_a_replacement_could_not_reproduce_is_refused_naming_it() -> None:
+    check_replaceable(_trainer(schedulers=(_scheduler(),)))  # per-step schedules: fine
+    with pytest.raises(ConfigError, match="interval='epoch'"):
+        check_replaceable(_trainer(schedulers=(_scheduler("epoch"),)))
+    with pytest.raises(ConfigError, match="ReduceLROnPlateau"):
+        check_replaceable(_trainer(schedulers=(_scheduler(plateau=True),)))
+    with pytest.raises(ConfigError, match="train DataLoader has no length"):
+        check_replaceable(_trainer(batches=float("inf")))
+    with pytest.raises(ConfigError, match="strategy=_Splitting"):
+        check_replaceable(_trainer(_Splitting(replaces=False)))
+
+
+def test_a_recovery_timeout_other_than_the_supervisors_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=10))
+    store.set(TIMEOUT_KEY, "30.0")
+    monkeypatch.setenv(ENV_STORE, f"127.0.0.1:{store.port}")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"recovery_timeout_s=60\.0 .*\(--timeout-s\)"):
+        JobStore.from_env(60.0)
+    job = JobStore.from_env(30.0)
+    assert job is not None and job.collective_timeout == timedelta(seconds=10)
+    assert os.environ[ENV_STORE] == job.address
