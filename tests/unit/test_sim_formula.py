@@ -1,4 +1,5 @@
-"""The analytic ETTR formula (paper §2.4) and the oracle interval sweep."""
+"""The analytic ETTR formula (paper §2.4), the oracle interval sweep, and the run-average
+overhead of a policy whose regime changes after failures."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
+from typing_extensions import override
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.ettr_formulas import (
@@ -27,6 +29,8 @@ from lightning_moe_ckpt.sim import (
 from lightning_moe_ckpt.sim.dense_policies import gemini_regime
 from lightning_moe_ckpt.sim.ettr import analytic_ettr
 from lightning_moe_ckpt.sim.inputs import parse_precision
+from lightning_moe_ckpt.sim.recovery import RecoveryModel, RecoveryPath
+from lightning_moe_ckpt.sim.regime import Policy, Regime
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -119,3 +123,34 @@ def test_oracle_interval_shrinks_as_failures_become_frequent() -> None:
                  for m in (120, 60, 30, 10)]
     assert intervals == sorted(intervals, reverse=True)
     assert intervals[0] > intervals[-1]
+
+
+class _TwoRegimes(Policy):
+    """Overhead 10% until the first failure, 100% after it; recovery costs nothing."""
+
+    dynamic = True
+
+    @override
+    def initial_state(self) -> object:
+        return 0
+
+    @override
+    def regime(self, state: object) -> Regime:
+        free = RecoveryModel("global", (RecoveryPath(0.0, 0.0, 0.0, 0.0, 0.0),))
+        return Regime(1, 1, 0.0, 1.0, free, 0.0, interference=0.1 if state == 0 else 1.0)
+
+    @override
+    def after_failure(self, state: object, rng: np.random.Generator | None) -> object:
+        return 1
+
+
+def test_mean_overhead_averages_the_regimes_over_the_useful_iterations() -> None:
+    # Hand-computed: three MTBFs of 100 s, the first at 10% overhead, the others at 100%:
+    # useful 100/1.1 + 50 + 50 s of 300 s working; overhead = working / useful - 1.
+    result = analytic_ettr(_TwoRegimes(), 100.0, 300.0)
+    useful = 100 / 1.1 + 100
+    assert result.ettr == pytest.approx(useful / 300)
+    assert result.mean_overhead == pytest.approx(300 / useful - 1)
+    static = make_policy("gemini", deepseek_job(), 1800.0, 43200.0)
+    assert analytic_ettr(static, 1800.0, 43200.0).mean_overhead == \
+        pytest.approx(static.regime(None).overhead)

@@ -1,7 +1,8 @@
 """The model terms issue #14 added, each against a hand-computed case: checkpoint traffic
 interference, the NIC time training leaves to checkpoints, the global restart, the
-interleaved bubble, Gemini's and CheckFreq's regimes, MoC's snapshot stall and its
-skew-sensitive Dynamic-K, the calibration block, and one Algorithm 1 for runtime and sim."""
+interleaved bubble, Gemini's and CheckFreq's regimes, MoC's fixed start, its super-linear
+snapshot stall and its skew-sensitive Dynamic-K, the calibration block, and one
+Algorithm 1 for runtime and sim."""
 
 from __future__ import annotations
 
@@ -125,18 +126,30 @@ def test_checkfreq_picks_the_shortest_interval_whose_persist_wait_fits_the_cap()
 def test_moc_snapshot_stalls_for_its_slow_copy_beyond_the_overlap_window() -> None:
     simulated = job()
     policy = MoCPolicy(simulated, 3600.0, 0.0375, 0.125)
-    # MoC-System's adaptive start: the largest K (doubling from 12.5%) whose copy overlaps
-    # the next forward/backward.
-    start = policy.initial_experts
-    window = simulated.overlap_window_s
-    assert policy._copy_s(start) <= window
-    assert start == 64 or policy._copy_s(2 * start) > window
+    # MoC starts at 12.5% of the experts on every model (MoEvement Fig. 10c), whether or
+    # not a larger K would still overlap the next forward/backward.
+    assert policy.initial_state().experts == 8.0
     for experts in (8.0, 64.0):
         _, total = partial_bytes(simulated, experts)
         copy_s = total / 96 / (simulated.cluster.pcie_bytes_per_s * 0.01)
+        assert policy.copy_s(experts) == pytest.approx(copy_s)
         expected = max(0.0, copy_s - simulated.overlap_window_s)
         assert policy.regime(MoCState(experts, 0.0)).stall_s == pytest.approx(expected)
     assert policy.regime(MoCState(64.0, 0.0)).stall_s > 0  # every expert does not fit
+
+
+def test_moc_overhead_is_super_linear_in_k_once_the_copy_outgrows_the_window() -> None:
+    # Hand-computed: MoC's stall is copy - window, so past the window the overhead grows by
+    # the whole extra copy time while the snapshot grows by its bytes.
+    simulated = job()
+    policy = MoCPolicy(simulated, 3600.0, 0.0375, 0.125)
+    window, t = simulated.overlap_window_s, simulated.iteration_s
+    stalls = [policy.regime(MoCState(k, 0.0)).stall_s for k in (8.0, 16.0, 32.0, 64.0)]
+    copies = [policy.copy_s(k) for k in (8.0, 16.0, 32.0, 64.0)]
+    assert stalls == pytest.approx([max(0.0, c - window) for c in copies])
+    overheads = [policy.regime(MoCState(k, 0.0)).stall_overhead for k in (32.0, 64.0)]
+    assert overheads == pytest.approx([(copies[2] - window) / t, (copies[3] - window) / t])
+    assert overheads[1] / overheads[0] > copies[3] / copies[2]  # faster than the bytes
 
 
 def test_moc_escalates_under_skew_where_balanced_routing_stays_within_budget() -> None:

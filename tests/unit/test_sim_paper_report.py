@@ -89,3 +89,38 @@ def test_report_without_the_papers_plans_says_which_to_set() -> None:
     del sim["plans"]["qwen_moe"]
     with pytest.raises(ConfigError, match=r"sim\.plans\.qwen_moe"):
         compare_with_paper({"sim": sim}, REPO / "conf")
+
+
+def test_one_parser_reads_both_tables_layouts() -> None:
+    text = """
+    # comment lines and blank lines are skipped
+a   57  3   2 - 8 1
+    60  0.90 0.91 0.40 0.98  -  -  -
+    10  0.70 0.72 0.15 0.95  -  -  -
+b   77  4   3 - - 2   # Table 7 style: per-MTBF Gemini interval and overheads
+    60  0.80 0.81 0.50 0.97  71  -  39
+    10  0.60 0.62 0.30 0.96  27  10 117
+"""
+    minutes, rows = paper.parse_table(text)
+    assert minutes == (60.0, 10.0)
+    a, b = rows["a"], rows["b"]
+    assert a.ettr["moc"] == (0.40, 0.15) and a.checkfreq_interval == 57 and a.window == 3
+    assert a.overhead == pytest.approx({"checkfreq": 0.02, "moc": 0.08, "moevement": 0.01})
+    assert a.gemini_interval == () and a.mtbf_overhead is None
+    assert b.gemini_interval == (71, 27)
+    assert b.mtbf_overhead is not None
+    assert b.mtbf_overhead["gemini"] == (None, pytest.approx(0.10))
+    assert b.mtbf_overhead["moc"] == (pytest.approx(0.39), pytest.approx(1.17))
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("a 1 2 3 4 5\n", "row line needs 7 fields"),
+    ("    60 1 1 1 1 - - -\n", "MTBF line needs 8 fields after a row line"),
+    ("a 1 2 - - - -\n  60 .9 .9 .9 .9 - - -\nb 1 2 - - - -\n  30 .9 .9 .9 .9 - - -\n",
+     "row b lists MTBFs"),
+    ("a 1 2 - - - -\n  60 .9 .9 .9 .9 5 - -\n  30 .9 .9 .9 .9 - - -\n",
+     "Gemini's interval for some MTBFs only"),
+])
+def test_the_parser_refuses_a_malformed_table(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        paper.parse_table(text)

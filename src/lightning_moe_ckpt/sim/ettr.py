@@ -6,12 +6,14 @@ Analytic (paper §2.4 / Appendix C), failures a Poisson process of rate ``1 / MT
 
 For a policy whose parameters change after failures (MoC raising K) the analytic value
 follows the expected trajectory: one cycle of ``MTBF`` working time plus ``E[R]`` per
-failure, each cycle in the regime then in force. Monte-Carlo runs the same renewal
-process with random failures: working periods are exponential with mean MTBF (failures
-strike working time, as the formula assumes), every recovery is drawn from the policy's
-recovery model, and a run's ETTR is its useful time over its wall time. A failure trace
-(times in seconds) replaces the exponential draws; a failure during a recovery restarts
-that recovery. Results carry the mean and the spread over runs.
+failure, each cycle in the regime then in force; its mean overhead is the extra working
+time per useful iteration over the run (the paper's "average per-iteration overhead",
+which grows with MoC's K). Monte-Carlo runs the same renewal process with random
+failures: working periods are exponential with mean MTBF (failures strike working time,
+as the formula assumes), every recovery is drawn from the policy's recovery model, and a
+run's ETTR is its useful time over its wall time. A failure trace (times in seconds)
+replaces the exponential draws; a failure during a recovery restarts that recovery.
+Results carry the mean and the spread over runs.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class AnalyticResult:
     failures: float  # expected failures in the run
     total_recovery_s: float  # expected recovery time summed over the run
     final_note: str  # the regime in force at the end (e.g. MoC's final K)
+    mean_overhead: float  # runtime overhead averaged over the run's useful iterations
 
 
 def _expected_cycles(policy: Policy, mtbf_s: float, run_s: float,
@@ -42,7 +45,7 @@ def _expected_cycles(policy: Policy, mtbf_s: float, run_s: float,
     """One trajectory of expected-length renewal cycles; ``rng`` draws each failure's
     state transition (None: the expected transition)."""
     state = policy.initial_state()
-    elapsed, useful, recovering, failures = 0.0, 0.0, 0.0, 0.0
+    elapsed, useful, working, recovering, failures = 0.0, 0.0, 0.0, 0.0, 0.0
     regime = policy.regime(state)
     while elapsed < run_s:
         regime = policy.regime(state)
@@ -50,11 +53,13 @@ def _expected_cycles(policy: Policy, mtbf_s: float, run_s: float,
         cycle = mtbf_s + recovery
         weight = min(1.0, (run_s - elapsed) / cycle)  # the last cycle may be cut short
         useful += weight * mtbf_s / (1.0 + regime.overhead)
+        working += weight * mtbf_s
         recovering += weight * recovery
         failures += weight
         elapsed += weight * cycle
         state = policy.after_failure(state, rng)
-    return AnalyticResult(useful / run_s, failures, recovering, regime.note)
+    return AnalyticResult(useful / run_s, failures, recovering, regime.note,
+                          working / useful - 1.0)
 
 
 def analytic_ettr(policy: Policy, mtbf_s: float, run_s: float,
@@ -76,13 +81,15 @@ def analytic_ettr(policy: Policy, mtbf_s: float, run_s: float,
         failures = run_s / (mtbf_s + recovery)
         ettr = ettr_formula(regime.overhead_s_per_iteration, regime.iteration_s, 1, recovery,
                             mtbf_s)
-        return AnalyticResult(float(ettr), failures, failures * recovery, regime.note)
+        return AnalyticResult(float(ettr), failures, failures * recovery, regime.note,
+                              regime.overhead)
     rng = np.random.default_rng(0)
     paths = [_expected_cycles(policy, mtbf_s, run_s, rng) for _ in range(transition_draws)]
     return AnalyticResult(float(np.mean([p.ettr for p in paths])),
                           float(np.mean([p.failures for p in paths])),
                           float(np.mean([p.total_recovery_s for p in paths])),
-                          _most_common(p.final_note for p in paths))
+                          _most_common(p.final_note for p in paths),
+                          float(np.mean([p.mean_overhead for p in paths])))
 
 
 def _most_common(notes: Iterable[str]) -> str:

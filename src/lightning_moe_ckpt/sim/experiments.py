@@ -40,8 +40,8 @@ class PolicyOutcome:
     interval: int  # iterations between checkpoints
     window: int  # iterations per complete checkpoint
     note: str  # policy detail in force at the end of the run (W, K, S, ...)
-    overhead: float  # runtime overhead fraction
-    overhead_s: float  # stall seconds per iteration
+    overhead: float  # runtime overhead fraction, averaged over the run (MoC's grows with K)
+    overhead_s: float  # overhead seconds per iteration, averaged over the run
     recovery_s: float  # expected recovery per failure
     total_recovery_s: float  # expected over the run
     ettr: float  # analytic
@@ -129,8 +129,8 @@ def evaluate(job: SimJob, settings: SimSettings, mtbf_s: float,
         else:
             carlo = monte_carlo_ettr(policy, mtbf_s, settings.run_s, settings.mc_runs, rng)
         outcomes[name] = PolicyOutcome(
-            name, regime.interval, regime.window, analytic.final_note, regime.overhead,
-            regime.overhead_s_per_iteration, regime.recovery.expected_s,
+            name, regime.interval, regime.window, analytic.final_note, analytic.mean_overhead,
+            analytic.mean_overhead * regime.iteration_s, regime.recovery.expected_s,
             analytic.total_recovery_s, analytic.ettr, carlo.mean, carlo.std,
             carlo.percentile(5), carlo.percentile(95), float(carlo.total_recovery_s.mean()))
     return outcomes

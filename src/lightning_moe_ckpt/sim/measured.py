@@ -198,8 +198,7 @@ def plan_measured(name: str, job: SimJob, knobs: PolicyKnobs, mtbf_s: float, run
         fraction = (settings.moc_initial_fraction if knobs.experts_per_layer is None
                     else min(1.0, knobs.experts_per_layer / experts))
         budget = knobs.lost_token_budget or settings.moc_lost_token_budget
-        return MoCPolicy(job, mtbf_s, budget, fraction, settings.seed,
-                         adapt_initial=knobs.experts_per_layer is None)
+        return MoCPolicy(job, mtbf_s, budget, fraction, settings.seed)
     if name == "moetion":
         return plan_moetion(job)
     raise ConfigError(f"policy {name!r} has no simulator model; choose one of checkfreq, "

@@ -58,38 +58,35 @@ class MoCPolicy(Policy):
     """MoC-System with Dynamic-K, as the MoEvement paper evaluated it.
 
     Every iteration snapshots the non-experts and ``K`` experts per layer (round-robin,
-    interleaved over layers so ``K`` may be fractional; initially the largest K, from
-    ``initial_fraction`` of the experts doubling, whose snapshot overlaps the next
-    forward/backward, MoC's adaptive configuration), sharded evenly over all ranks,
+    interleaved over layers so ``K`` may be fractional), sharded evenly over all ranks,
     into host memory through MoC's own copy path (a calibrated share of PCIe rate: each
-    expert shard is copied and serialised on its own); what does not fit the overlap
-    window stalls, and the copy slows training while it runs (copy interference). The latest
+    expert shard is copied and serialised on its own). ``K`` starts at ``initial_fraction``
+    of the experts for every model, the 12.5% the MoEvement paper reports MoC starting
+    from (Fig. 10c), whether or not a larger K would still overlap. What does not fit the
+    overlap window stalls, so the overhead grows faster than the snapshot (super-linear
+    in K), and the copy slows training while it runs (copy interference). The latest
     snapshot is persisted to storage whenever the previous persist is done, every ``P``
     iterations. A failure restores the persisted checkpoint: an expert saved ``a`` rounds
-    ago loses ``a x P`` iterations of its tokens. Dynamic-K (MoC §4.4) watches the
+    ago loses ``a x P`` iterations of its tokens. Dynamic-K (MoC §5.3) watches the
     aggregated proportion of lost tokens, lost so far over tokens trained so far (failures
-    x MTBF worth of iterations): once a failure leaves it above the budget, the budget is
-    spent and K doubles after that failure and every later one, up to every expert
-    (MoEvement §5.2: "overhead spikes ... as the token-loss budget is exhausted"); larger
-    snapshots stall more.
+    x MTBF worth of iterations): once a recovery leaves it above the budget, K doubles at
+    that recovery and at every later one until every expert is in the snapshot ("this
+    process is reiterated until checkpointing all experts"; MoEvement Fig. 10c: 12.5% to
+    100%). The run length bounds how many failures, hence doublings, a run sees.
     """
 
     name = "moc"
     dynamic = True
 
     def __init__(self, job: SimJob, mtbf_s: float, lost_token_budget: float,
-                 initial_fraction: float, seed: int = 0, pool_size: int = 256,
-                 adapt_initial: bool = True) -> None:
+                 initial_fraction: float, seed: int = 0, pool_size: int = 256) -> None:
         require(0 < lost_token_budget < 1,
                 f"sim.policy.moc.lost_token_budget={lost_token_budget} must be in (0, 1)")
         require(0 < initial_fraction <= 1,
                 f"sim.policy.moc.initial_fraction={initial_fraction} must be in (0, 1]")
         require(mtbf_s > 0, f"MTBF must be > 0, got {mtbf_s} s")
         self.job, self.experts = job, job.spec.model.n_experts
-        # A K a real run used is kept as it is (adapt_initial=False).
         self.initial_experts = self.experts * initial_fraction
-        if adapt_initial:
-            self.initial_experts = self._largest_overlapped(self.initial_experts)
         self.budget = lost_token_budget
         self.mtbf_iterations = mtbf_s / job.iteration_s
         self._rng, self._pool_size = np.random.default_rng(seed), pool_size
@@ -100,20 +97,12 @@ class MoCPolicy(Policy):
     def initial_state(self) -> MoCState:
         return MoCState(self.initial_experts, 0.0)
 
-    def _copy_s(self, experts: float) -> float:
-        """Seconds one GPU's share of a K-expert snapshot takes on MoC's copy path."""
+    def copy_s(self, experts: float) -> float:
+        """Seconds one GPU's share of a K-expert snapshot takes on MoC's copy path (MoC
+        shards every checkpoint evenly over all ranks: the job's bytes over the world)."""
         _, total = partial_bytes(self.job, experts)
-        rate = self.job.cluster.pcie_bytes_per_s * self.job.calibration.partial_snapshot_efficiency
-        return total / self.job.plan.world_size / rate
-
-    def _largest_overlapped(self, floor: float) -> float:
-        """MoC-System's adaptive configuration (MoC §4.3): the largest K, doubling from
-        ``floor``, whose snapshot still overlaps the next forward/backward."""
-        experts = floor
-        while 2 * experts <= self.experts and \
-                self._copy_s(2 * experts) <= self.job.overlap_window_s:
-            experts *= 2
-        return experts
+        return self.job.to_host_s(total / self.job.plan.world_size) / \
+            self.job.calibration.partial_snapshot_efficiency
 
     def rounds(self, experts: float) -> int:
         """Snapshots until every expert has been saved once."""
@@ -130,16 +119,14 @@ class MoCPolicy(Policy):
         assert isinstance(state, MoCState)
         if state.experts not in self._regimes:
             job, k = self.job, state.experts
-            # MoC-System shards every checkpoint evenly over all ranks (its fully sharded
-            # checkpointing), so each GPU moves the job's bytes over the world size.
             _, total = partial_bytes(job, k)
             per_gpu = total / job.plan.world_size
             interval = self.persist_interval(k)
-            efficiency = job.calibration.partial_snapshot_efficiency
-            copy_s = job.to_host_s(per_gpu) / efficiency
+            copy_s = self.copy_s(k)
             stall = max(0.0, copy_s - job.overlap_window_s)
             # The slow copy keeps the host path busy for copy_s: PCIe-equivalent bytes
             # per_gpu / efficiency. Each GPU's share is persisted every P iterations.
+            efficiency = job.calibration.partial_snapshot_efficiency
             interference = float(job.interference(per_gpu / efficiency, per_gpu / interval))
             # Everyone rolls back to the last snapshot; the replacement node reloads its
             # state from storage, the others from their host memory.
