@@ -39,7 +39,7 @@ def job(name: str, pp: int, dp: int) -> SimJob:
     model = MoEModelConfig.from_mapping(
         OmegaConf.to_container(OmegaConf.load(CONF / f"model/{name}.yaml")))
     plan = ParallelPlan(pp=pp, dp=dp, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
-    # Paper-calibrated: MoC's snapshot path is slow enough that K starts at 12.5%.
+    # Paper-calibrated: MoC's slow snapshot path, persists and restart.
     calibration = Calibration.from_mapping(OmegaConf.load(CONF / "sim/paper.yaml").calibration)
     return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster),
                              calibration=calibration))
@@ -140,3 +140,14 @@ def test_failure_trace_files(tmp_path: Path) -> None:
     negative.write_text("[-5]")
     with pytest.raises(ConfigError, match=">= 0"):
         load_failure_trace(negative)
+
+
+def test_moc_starts_at_the_papers_fraction_even_where_more_experts_would_overlap() -> None:
+    # MoE-LLaVa: 12.5% of 4 experts per layer is half an expert (MoC interleaves layers);
+    # its 25% snapshot would still overlap the iteration, but MoC starts where the paper
+    # says it did, for every model.
+    simulated = job("moe_llava", 6, 2)
+    policy = MoCPolicy(simulated, 3600.0, 0.0375, 0.125)
+    assert policy.initial_state().experts == 0.5
+    assert policy.copy_s(1.0) < simulated.overlap_window_s
+    assert policy.rounds(0.5) == 8
