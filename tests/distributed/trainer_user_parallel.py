@@ -72,8 +72,12 @@ class UserModule(PipelineTrainable, L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses[self.global_step - 1] = outputs["loss"].detach().clone()
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        # A per-step warm-up: a replacement's replay must step it as the Trainer did.
+        warm_up = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 6))
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": warm_up, "interval": "step"}}
 
 
 MODELS: dict[str, tuple[Callable[..., nn.Module], ParallelizeFn | None]] = {
