@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
 
 from lightning_moe_ckpt.errors import ConfigError
@@ -12,7 +14,9 @@ from lightning_moe_ckpt.parallel.model_plans import (
     check_user_model,
     stage_layer_ids,
 )
+from lightning_moe_ckpt.strategies import TrainerMoEParallelStrategy
 from tests.anymodel.models import N_EXPERTS, N_LAYERS, grouped_experts_moe, mixtral, qwen3_moe
+from tests.distributed.trainer_user_parallel import UserModule
 
 pytest.importorskip("transformers")
 
@@ -46,3 +50,20 @@ def test_a_model_without_a_plan_needs_a_parallelize_fn() -> None:
 def test_layers_split_into_contiguous_balanced_blocks() -> None:
     assert [stage_layer_ids(5, 2, s) for s in range(2)] == [[0, 1, 2], [3, 4]]
     assert [stage_layer_ids(4, 4, s) for s in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_the_trainer_rejects_a_layout_the_model_cannot_take_before_starting_processes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[int] = []
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts",
+                        lambda launcher: started.append(1))
+    trainer = L.Trainer(strategy=TrainerMoEParallelStrategy(pp=1, ep=3), accelerator="cpu",
+                        devices=3, logger=False, enable_checkpointing=False)
+    with pytest.raises(ConfigError, match=r"8 experts .* parallel\.ep=3"):
+        trainer.fit(UserModule(qwen3_moe()))
+    assert started == []  # no other process was started
+    trainer = L.Trainer(strategy=TrainerMoEParallelStrategy(pp=2), accelerator="cpu",
+                        devices=2, logger=False, enable_checkpointing=False)
+    with pytest.raises(ConfigError, match=r"no parallel plan for GroupedExpertsLM"):
+        trainer.fit(UserModule(grouped_experts_moe()))
+    assert started == []

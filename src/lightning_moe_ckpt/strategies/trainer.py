@@ -34,9 +34,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_moe_ckpt.parallel.model_plans import (
-    ParallelizeFn,
-)
+from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn, check_user_model
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.recovery.rendezvous import await_assignment
 from lightning_moe_ckpt.recovery.supervisor import ENV_REPLACES
@@ -114,8 +112,16 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
     def _configure_launcher(self) -> None:
         self.core.resolve(self.num_nodes * self.num_processes)
         assert self.cluster_environment is not None
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment,
-                                                   self.num_processes, self.num_nodes)
+        self._launcher = _CheckingLauncher(self, self.cluster_environment,
+                                           self.num_processes, self.num_nodes)
+
+    def check_before_launch(self, module: object) -> None:
+        """Reject a user's module the layout cannot take (no plan and no
+        ``parallelize_fn``, experts not divisible by ``ep``, fewer decoder layers than
+        stages), naming the setting, before any process starts."""
+        if isinstance(module, PipelineTrainable):
+            check_user_model(module.parallel_model(), self.user_model.parallelize_fn,
+                             pp=self.core.pp, ep=self.core.ep)
 
     def set_world_ranks(self) -> None:
         """Global rank and world size from node rank, local rank and process count."""
@@ -292,3 +298,18 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register(cls, strategy_registry)
+
+
+class _CheckingLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher, checking the module given to ``fit`` against the
+    layout before it starts the other processes."""
+
+    def __init__(self, strategy: MoEParallelStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self.strategy = strategy
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: L.Trainer | None = None,
+               **kwargs: Any) -> Any:
+        self.strategy.check_before_launch(args[0] if args else None)  # fit(module, ...)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
