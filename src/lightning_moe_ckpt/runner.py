@@ -41,11 +41,11 @@ from lightning_moe_ckpt.recovery.rendezvous import (
 )
 from lightning_moe_ckpt.recovery.supervisor import Supervisor, report_of
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
-from lightning_moe_ckpt.strategies.real_failures import (
+from lightning_moe_ckpt.targets.base import IterationAborted
+from lightning_moe_ckpt.targets.lightning import (
     align_trainer_step,
     skip_first_sigterm_broadcast,
 )
-from lightning_moe_ckpt.targets.base import IterationAborted
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.hf_module import HFLanguageModule

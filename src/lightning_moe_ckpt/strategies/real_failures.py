@@ -37,9 +37,11 @@ from lightning_moe_ckpt.recovery.real_failures import PeerFailureHandler
 from lightning_moe_ckpt.recovery.rendezvous import JobStore
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 from lightning_moe_ckpt.targets.base import UserModelParallelism
-from lightning_moe_ckpt.targets.lightning import LightningTarget
-
-_COUNTERS = ("ready", "started", "processed", "completed")
+from lightning_moe_ckpt.targets.lightning import (
+    LightningTarget,
+    align_trainer_step,
+    skip_first_sigterm_broadcast,
+)
 
 
 def check_replaceable(trainer: L.Trainer) -> None:
@@ -181,46 +183,3 @@ def _set_sampler_epoch(loader: Any, epoch: int) -> None:
         set_epoch = getattr(getattr(loader, name, None), "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
-
-
-def align_trainer_step(trainer: L.Trainer, step: int, batches: bool,
-                       batches_per_epoch: int | None = None) -> None:
-    """Make the Trainer count ``step`` optimizer steps (and, with ``batches``, ``step``
-    batches run), as if it had run them.
-
-    A replacement joins a running job at ``step`` before its first batch: both counts are
-    set (and, given ``batches_per_epoch``, the epoch and the position in it). A survivor
-    whose iteration a peer's failure aborted (possibly after its optimizer stepped)
-    retries it inside the same batch: only the optimizer steps are set back, the batch it
-    is in counts once. Data position, validation and ``max_steps`` follow these counters,
-    and they must agree on every rank."""
-    loop = trainer.fit_loop.epoch_loop
-    if trainer.lightning_module.automatic_optimization:
-        optimizer_steps = loop.automatic_optimization.optim_progress.optimizer.step.total
-    else:
-        optimizer_steps = loop.manual_optimization.optim_step_progress.total
-    optimizer_steps.ready = optimizer_steps.completed = step
-    if not batches:
-        return
-    for counter in _COUNTERS:
-        setattr(loop.batch_progress.total, counter, step)
-    loop._batches_that_stepped = step  # the logging step
-    if batches_per_epoch is not None:
-        epoch, index = divmod(step, batches_per_epoch)
-        for counter in _COUNTERS:
-            setattr(loop.batch_progress.current, counter, index)
-            setattr(trainer.fit_loop.epoch_progress.current, counter, epoch)
-            setattr(trainer.fit_loop.epoch_progress.total, counter, epoch)
-
-
-def skip_first_sigterm_broadcast(trainer: L.Trainer) -> None:
-    """Lightning broadcasts a SIGTERM flag from rank 0 before every batch (outside the
-    strategy). The survivors made that broadcast for the batch the failure interrupted and
-    retry it inside that batch, so a replacement joining at that batch skips it once."""
-    loop = trainer.fit_loop.epoch_loop
-    broadcast = loop._broadcast_sigterm_tensor
-
-    def skip_once() -> None:
-        loop._broadcast_sigterm_tensor = broadcast  # type: ignore[method-assign]
-
-    loop._broadcast_sigterm_tensor = skip_once  # type: ignore[method-assign]

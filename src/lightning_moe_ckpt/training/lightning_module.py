@@ -18,8 +18,8 @@ import lightning as L
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_moe_ckpt.strategies.real_failures import align_trainer_step
 from lightning_moe_ckpt.targets.base import IterationAborted
+from lightning_moe_ckpt.targets.lightning import align_trainer_step
 from lightning_moe_ckpt.training.core import language_model_loss
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
