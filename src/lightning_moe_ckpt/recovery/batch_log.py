@@ -62,6 +62,16 @@ class BatchLog:
             self.records[record.step] = record
             self.peak_bytes = max(self.peak_bytes, self._nbytes())
 
+    def find(self, step: int) -> BatchRecord | None:
+        """The record of iteration ``step``, if held."""
+        with self._lock:
+            return self.records.get(step)
+
+    def newest(self) -> BatchRecord | None:
+        """The record of the latest iteration held."""
+        with self._lock:
+            return self.records[max(self.records)] if self.records else None
+
     def get(self, step: int) -> BatchRecord:
         """The record of iteration ``step``."""
         with self._lock:

@@ -200,7 +200,7 @@ class UserLoopTarget(TrainingTarget):
     def batch_record(self, step: int) -> BatchRecord:
         """The logged batch of iteration ``step``, or the one read again (a process that
         joined later holds no log of the iterations before it)."""
-        record = self.batch_log.records.get(step)
+        record = self.batch_log.find(step)
         if record is None and self.reread is not None:
             return self.reread(step)
         return self.batch_log.get(step)
@@ -208,7 +208,7 @@ class UserLoopTarget(TrainingTarget):
     @override
     def resume_at(self, step: int) -> None:
         self.set_step(step)
-        record = self.batch_log.records.get(step)
+        record = self.batch_log.find(step)
         if record is not None and record.state is not None:
             self._restore_state(record.state)  # the aborted iteration starts over as logged
 
@@ -228,9 +228,9 @@ class UserLoopTarget(TrainingTarget):
     def sample_batch(self) -> Any:
         """A batch shaped like every iteration's: the newest logged one, or (a process that
         joined later, before its first iteration) the first one read again."""
-        records = self.batch_log.records
-        if records:
-            return records[max(records)].batch
+        newest = self.batch_log.newest()
+        if newest is not None:
+            return newest.batch
         if self.reread is None:
             raise RuntimeError("no batch logged or readable yet")
         return self.reread(0).batch
@@ -249,8 +249,11 @@ class UserLoopTarget(TrainingTarget):
             if record.state is not None:
                 self._restore_state(record.state)
             self._batch_idx = record.batch_idx
-            self.begin_iteration()
-            self.run_step(record)
+            try:
+                self.begin_iteration()
+            except IterationAborted:
+                continue  # another failure moved this rank again: go on from there
+            self.run_step(record)  # its optimizer step runs guarded, as the first time
             self.advance_schedule(record.batch_idx)
         self.resume_at(step)
 
