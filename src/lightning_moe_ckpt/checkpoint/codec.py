@@ -1,8 +1,12 @@
 """Byte encoding of snapshots for replication and disk, piece by piece.
 
-An encoded snapshot is ``MAGIC``, then one ``torch.save`` blob per piece (its tensors),
-then a header (``torch.save`` of step, rank, window, metadata and, per piece, its kind,
-checksum and byte range), then the header's length as 8 little-endian bytes. Because the
+An encoded snapshot is ``MAGIC``, then one blob per piece, then a header (``torch.save``
+of step, rank, window, metadata and, per piece, its kind, checksum and byte range), then
+the header's length as 8 little-endian bytes. A piece's blob is its layout (tensor names,
+dtypes and shapes, pickled, behind its length) and then the tensors' raw bytes back to
+back in name order: encoding is one copy of the bytes, where a ``torch.save`` per piece
+(still read, from older encodings: the header says which) cost a zip archive each and
+dominated the replication thread's time. Because the
 pieces are separate blobs and the header comes with byte ranges, a replica peer can list
 the operators a snapshot holds (:func:`snapshot_header`) and cut pieces out of it
 (:func:`extract_pieces`, :func:`split_pieces`) without deserialising any tensor: that is
@@ -19,16 +23,24 @@ single-``torch.save`` encoding.
 from __future__ import annotations
 
 import io
+import pickle
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from lightning_moe_ckpt.checkpoint.snapshot import Snapshot, bytes_checksum, tensor_checksum
+from lightning_moe_ckpt.checkpoint.snapshot import (
+    Snapshot,
+    bytes_checksum,
+    raw_bytes,
+    tensor_checksum,
+)
 
 MAGIC = b"MOESNAP2"
 _LENGTH = struct.Struct("<Q")
+_LAYOUT_LENGTH = struct.Struct("<I")
+RAW_PIECES = "raw"  # the header's ``piece_format``: layout + raw bytes (absent: torch.save)
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -42,7 +54,8 @@ def encode_snapshot(snapshot: Snapshot) -> torch.Tensor:
         "window_start": snapshot.plan.window_start, "window": snapshot.plan.window,
         "metadata": snapshot.metadata,
         "pieces": {name: {"kind": piece.kind, "checksum": piece.checksum,
-                          "tensors": piece.tensors}
+                          "tensors": piece.tensors,
+                          "raw": None if piece.buffers is None else piece.buffers.raw}
                    for name, piece in snapshot.pieces.items()},
     })
 
@@ -53,15 +66,48 @@ def encode_payload(payload: dict[str, Any]) -> torch.Tensor:
     buffer.write(MAGIC)
     index: dict[str, dict[str, Any]] = {}
     for name, piece in payload["pieces"].items():
-        blob = io.BytesIO()
-        torch.save(piece["tensors"], blob)
-        with blob.getbuffer() as encoded:
-            index[name] = {"kind": piece["kind"], "checksum": piece["checksum"],
-                           "frame_checksum": bytes_checksum(encoded),
-                           "offset": buffer.tell(), "length": len(encoded)}
-            buffer.write(encoded)
+        offset = buffer.tell()
+        frame = _write_piece(buffer, piece["tensors"], piece.get("raw"))
+        index[name] = {"kind": piece["kind"], "checksum": piece["checksum"],
+                       "frame_checksum": frame, "offset": offset,
+                       "length": buffer.tell() - offset}
     return _finish(buffer, {**{k: v for k, v in payload.items() if k != "pieces"},
-                            "pieces": index})
+                            "piece_format": RAW_PIECES, "pieces": index})
+
+
+def _write_piece(buffer: io.BytesIO, tensors: Mapping[str, torch.Tensor],
+                 raw: tuple[memoryview, ...] | None) -> int:
+    """Append one piece's blob (layout, then the tensors' bytes in name order; ``raw``:
+    those bytes already in place) to ``buffer``; returns the blob's CRC32C."""
+    names = sorted(tensors)
+    layout = pickle.dumps([(name, str(tensors[name].dtype).removeprefix("torch."),
+                            tuple(tensors[name].shape)) for name in names], protocol=5)
+    head = _LAYOUT_LENGTH.pack(len(layout)) + layout
+    buffer.write(head)
+    crc = bytes_checksum(head)
+    for data in raw if raw is not None else (raw_bytes(tensors[n].contiguous()) for n in names):
+        buffer.write(data)
+        crc = bytes_checksum(data, crc)
+    return crc
+
+
+def _read_piece(blob: memoryview) -> dict[str, torch.Tensor]:
+    """The tensors of a raw piece blob (own memory; the blob's checksum was verified)."""
+    (length,) = _LAYOUT_LENGTH.unpack(blob[:_LAYOUT_LENGTH.size])
+    start = _LAYOUT_LENGTH.size
+    layout = pickle.loads(blob[start:start + length])
+    offset = start + length
+    tensors: dict[str, torch.Tensor] = {}
+    for name, dtype_name, shape in layout:
+        dtype = getattr(torch, dtype_name)
+        count = 1
+        for size in shape:
+            count *= size
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        data = torch.frombuffer(blob[offset:offset + nbytes], dtype=torch.uint8)
+        tensors[name] = data.clone().view(dtype).reshape(shape)
+        offset += nbytes
+    return tensors
 
 
 def _finish(buffer: io.BytesIO, header: dict[str, Any]) -> torch.Tensor:
@@ -75,7 +121,7 @@ def _finish(buffer: io.BytesIO, header: dict[str, Any]) -> torch.Tensor:
 
 def _bytes(data: torch.Tensor) -> memoryview:
     """The bytes of an encoded snapshot, without a copy."""
-    return memoryview(data.numpy().data)
+    return raw_bytes(data)
 
 
 def _is_framed(raw: bytes | memoryview) -> bool:
@@ -134,7 +180,8 @@ def decode_snapshot(data: torch.Tensor) -> dict[str, Any]:
     raw = _bytes(data)
     if _is_framed(raw):
         payload = _header(raw)
-        payload["pieces"] = {name: _load_piece(raw, entry, payload, name)
+        raw_pieces = payload.pop("piece_format", None) == RAW_PIECES
+        payload["pieces"] = {name: _load_piece(raw, entry, payload, name, raw_pieces)
                              for name, entry in payload["pieces"].items()}
     else:
         payload = _legacy(raw)
@@ -145,13 +192,14 @@ def decode_snapshot(data: torch.Tensor) -> dict[str, Any]:
 
 
 def _load_piece(raw: memoryview, entry: dict[str, Any], payload: dict[str, Any],
-                name: str) -> dict[str, Any]:
+                name: str, raw_piece: bool) -> dict[str, Any]:
     blob = raw[entry["offset"]:entry["offset"] + entry["length"]]
     # Encodings from before the frame checksum have none: their tensor checksum remains.
     if "frame_checksum" in entry and bytes_checksum(blob) != entry["frame_checksum"]:
         raise _corrupt(payload, name)
     try:
-        tensors = torch.load(io.BytesIO(blob), weights_only=False)
+        tensors = (_read_piece(blob) if raw_piece
+                   else torch.load(io.BytesIO(blob), weights_only=False))
     except Exception as error:  # damaged bytes fail in any of unpickling's many ways
         raise _corrupt(payload, name) from error
     return {"kind": entry["kind"], "checksum": entry["checksum"], "tensors": tensors}

@@ -64,7 +64,7 @@ def tensor_checksum(tensors: Mapping[str, torch.Tensor]) -> int:
     """
     crc = names_checksum(tensors)
     for name in sorted(tensors):
-        crc = bytes_checksum(_raw(tensors[name].contiguous()), crc)
+        crc = bytes_checksum(raw_bytes(tensors[name].contiguous()), crc)
     return crc
 
 
@@ -122,11 +122,11 @@ class PieceBuffers:
                        .view(s.shape)
                        for name, s, o in zip(layout.names, layout.sources, offsets,
                                              strict=True)}
-            raw: tuple[memoryview, ...] = (_raw(block),)
+            raw: tuple[memoryview, ...] = (raw_bytes(block),)
         else:
             tensors = {name: torch.empty(s.shape, dtype=s.dtype, pin_memory=pin_memory)
                        for name, s in zip(layout.names, layout.sources, strict=True)}
-            raw = tuple(_raw(t) for t in tensors.values())
+            raw = tuple(raw_bytes(t) for t in tensors.values())
         return cls(layout.key, tensors, raw, names_checksum(layout.names))
 
     def checksum(self) -> int:
@@ -137,7 +137,7 @@ class PieceBuffers:
         return crc
 
 
-def _raw(tensor: torch.Tensor) -> memoryview:
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, in place."""
     return tensor.reshape(-1).view(torch.uint8).numpy().data
 
