@@ -202,7 +202,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
             persist_dir=persist_dir)
         if target.batch_log is not None:
             self.coordinator.store.release_listeners.append(target.batch_log.release_before)
-        if self.upstream_log is not None:
+        if self.upstream_log is not None and target.layout.pp > 1:
+            # Only a pipeline has boundaries to log and a localized recovery to use them.
             target.hooks.append(self)
             self.coordinator.store.release_listeners.append(self.upstream_log.release_before)
         if planner.wants_profile and options.get("window") is None:

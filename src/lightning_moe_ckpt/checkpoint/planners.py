@@ -22,13 +22,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from typing_extensions import override
 
 from lightning_moe_ckpt.checkpoint.popularity import (
     PopularityTracker,
     check_reorder_thresholds,
-    should_reorder,
+    frequencies_moved,
 )
 from lightning_moe_ckpt.checkpoint.schedule import (
     OperatorSpec,
@@ -223,7 +224,13 @@ class MoEvementPlanner(BasePlanner):
         self.window_start: int | None = None
         self._next: int | None = None  # the iteration that continues the current window
         self._stale = True  # schedule must be rebuilt at the next boundary
-        self._ordered_by: dict[str, float] | None = None
+        # The tracker's entries of the experts this planner holds (row-major positions),
+        # and their frequencies when the order in force was built.
+        self._held = ([] if self.tracker is None else
+                      [(i, name) for i, name in enumerate(self.tracker.names)
+                       if name in self.specs])
+        self._held_index = np.array([i for i, _ in self._held], dtype=np.int64)
+        self._ordered_by: np.ndarray | None = None
 
     @override
     def set_profile(self, iteration_time_s: float, bandwidth_bytes_per_s: float) -> None:
@@ -289,18 +296,19 @@ class MoEvementPlanner(BasePlanner):
 
     def _maybe_reorder(self) -> bool:
         """Read the tracker (one host copy per window) and adopt its frequencies if they
-        moved past the thresholds relative to the order in force."""
+        moved past the thresholds relative to the order in force (tensor operations over
+        the experts; a Python pass over them only when the order changes)."""
         if self.tracker is None or self.tracker.iterations == 0:
             return False
-        current = {name: share for name, share in self.tracker.frequencies().items()
-                   if name in self.specs}
+        current = self.tracker.frequency_matrix().reshape(-1)[self._held_index]
         previous = self._ordered_by
         if previous is None:
-            previous = {name: self.specs[name].popularity for name in current}
-        if not should_reorder(previous, current, self.change_threshold,
-                              self.fraction_threshold):
+            previous = np.array([self.specs[name].popularity for _, name in self._held],
+                                dtype=np.float64)
+        if not frequencies_moved(previous, current, self.change_threshold,
+                                 self.fraction_threshold):
             return False
-        for name, share in current.items():
+        for (_, name), share in zip(self._held, current.tolist(), strict=True):
             self.specs[name] = replace(self.specs[name], popularity=share)
         self._ordered_by = current
         self.reorders += 1
@@ -310,7 +318,8 @@ class MoEvementPlanner(BasePlanner):
     def state_dict(self) -> dict[str, Any]:
         return {
             "popularity": {name: spec.popularity for name, spec in self.specs.items()},
-            "ordered_by": None if self._ordered_by is None else dict(self._ordered_by),
+            "ordered_by": None if self._ordered_by is None else dict(zip(
+                (name for _, name in self._held), self._ordered_by.tolist(), strict=True)),
             "schedule": None if self.schedule is None else self.schedule.to_dict(),
             "window_start": self.window_start, "next": self._next, "stale": self._stale,
             "profile": None if self.profile is None else list(self.profile),
@@ -323,7 +332,9 @@ class MoEvementPlanner(BasePlanner):
         for name, share in d["popularity"].items():
             if name in self.specs:
                 self.specs[name] = replace(self.specs[name], popularity=float(share))
-        self._ordered_by = None if d["ordered_by"] is None else dict(d["ordered_by"])
+        ordered_by = d["ordered_by"]
+        self._ordered_by = None if ordered_by is None else np.array(
+            [float(ordered_by[name]) for _, name in self._held], dtype=np.float64)
         schedule = d["schedule"]
         self.schedule = None if schedule is None else WindowSchedule.from_dict(schedule)
         self.window_start, self._next, self._stale = d["window_start"], d["next"], d["stale"]

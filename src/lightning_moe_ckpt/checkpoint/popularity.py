@@ -24,8 +24,10 @@ make per-iteration choices from device counters without a sync.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any, Literal, cast
 
+import numpy as np
 import torch
 
 from lightning_moe_ckpt.errors import fmt, require
@@ -91,21 +93,29 @@ class PopularityTracker:
             self._counts.add_(counts)
         self.iterations += 1
 
-    def frequencies(self) -> dict[str, float]:
-        """Activation frequency per expert in ``[0, 1]`` (one host copy; window boundaries
-        only). All zeros before any routed token."""
-        counts = (self._counts.cpu() if self._counts is not None
-                  else torch.zeros(self.shape, dtype=torch.float64))
-        total = counts.sum(dim=1, keepdim=True)
-        share = torch.where(total > 0, counts / total.clamp(min=1e-300),
-                            torch.zeros_like(counts))
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        """Expert operator names in the row-major order of :meth:`frequency_matrix`."""
+        return tuple(expert_name(layer, expert) for layer in self.layer_ids
+                     for expert in range(self.shape[1]))
+
+    def frequency_matrix(self) -> np.ndarray:
+        """Activation frequency per ``[layer, expert]`` in ``[0, 1]`` (float64, one host
+        copy; window boundaries only: NumPy, whose operations on a few thousand values
+        cost a fraction of torch's dispatch). All zeros before any routed token."""
+        counts = (self._counts.cpu().numpy() if self._counts is not None
+                  else np.zeros(self.shape, dtype=np.float64))
+        total = counts.sum(axis=1, keepdims=True)
+        share = np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
         if self.scheme != "soft":  # each token activates top_k experts
-            share = share * self.top_k
+            share *= self.top_k
         if self.scheme == "capacity":
-            share = share * self._capacity_scale
-        share = share.clamp(0.0, 1.0)
-        return {expert_name(layer, expert): float(share[row, expert])
-                for row, layer in enumerate(self.layer_ids) for expert in range(self.shape[1])}
+            share *= self._capacity_scale.numpy()
+        return np.clip(share, 0.0, 1.0)
+
+    def frequencies(self) -> dict[str, float]:
+        """:meth:`frequency_matrix` by expert operator name."""
+        return dict(zip(self.names, self.frequency_matrix().reshape(-1).tolist(), strict=True))
 
     def reset(self) -> None:
         """Forget everything observed."""
@@ -143,18 +153,23 @@ def should_reorder(previous: Mapping[str, float], current: Mapping[str, float],
 
     An expert that had frequency 0 changed iff it has a non-zero one now.
     """
-    check_reorder_thresholds(change_threshold, fraction_threshold)
     names = [name for name in current if name in previous]
-    if not names:
+    return frequencies_moved(np.array([previous[n] for n in names], dtype=np.float64),
+                             np.array([current[n] for n in names], dtype=np.float64),
+                             change_threshold, fraction_threshold)
+
+
+def frequencies_moved(previous: np.ndarray, current: np.ndarray,
+                      change_threshold: float = 0.10, fraction_threshold: float = 0.25) -> bool:
+    """:func:`should_reorder` over aligned frequency vectors: a few array operations,
+    whatever the number of experts (it runs at every window boundary)."""
+    check_reorder_thresholds(change_threshold, fraction_threshold)
+    if previous.size == 0:
         return False
-    changed = 0
-    for name in names:
-        before, now = previous[name], current[name]
-        if before == 0:
-            changed += now != 0
-        else:
-            changed += abs(now - before) / abs(before) > change_threshold
-    return changed >= fraction_threshold * len(names)
+    was_zero = previous == 0
+    relative = np.abs(current - previous) / np.where(was_zero, 1.0, np.abs(previous))
+    moved = np.where(was_zero, current != 0, relative > change_threshold)
+    return int(moved.sum()) >= fraction_threshold * previous.size
 
 
 class HostMirror:
