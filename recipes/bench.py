@@ -168,17 +168,24 @@ def check_moevement(metrics: dict[str, Any], key: str) -> None:
         raise RuntimeError(f"{key}: " + "; ".join(problems))
 
 
-def summarise(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per fault-free policy run, ratios against ``none``."""
-    baseline = results["none"]["iteration_ms"]["median"]
+def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per fault-free policy, ratios against ``none``. With several repeats (each
+    a run of every policy, in a rotated order) the row's iteration time is the median of
+    the runs' medians and ``vs_none`` the median of the per-repeat ratios: pairing each
+    run with the ``none`` run of its own repeat cancels the machine's slow drift, which
+    on shared cores is larger than a few percent between runs minutes apart."""
+    results = repeats[0]
     rows = []
     for policy, metrics in results.items():
-        median = metrics["iteration_ms"]["median"]
+        medians = [runs[policy]["iteration_ms"]["median"] for runs in repeats]
+        ratios = [runs[policy]["iteration_ms"]["median"] / runs["none"]["iteration_ms"]["median"]
+                  for runs in repeats]
         rows.append({
             "policy": policy,
             "interval": metrics.get("interval"),
-            "iteration_ms": median,
-            "vs_none": median / baseline,
+            "iteration_ms": float(np.median(medians)),
+            "vs_none": float(np.median(ratios)),
+            "vs_none_runs": ratios,
             "stall_ms_total": metrics.get("stall_ms", 0.0),
             "overhead_pct": metrics.get("checkpoint_overhead_pct", 0.0),
             "snapshot_mb_per_iter": metrics.get("snapshot_bytes_per_iter", 0) / 2**20,
@@ -191,10 +198,13 @@ def summarise(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The fault-free overhead table."""
-    lines = ["| policy | iteration ms (median) | vs none | stall ms (total) | overhead % "
-             "| snapshot MiB/iter | W | k | host MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| policy | iteration ms (median) | vs none | vs none, per repeat "
+             "| stall ms (total) | overhead % | snapshot MiB/iter | W | k | host MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
+        runs = " ".join(f"{ratio:.3f}" for ratio in row["vs_none_runs"])
         lines.append(f"| {row['policy']} | {row['iteration_ms']:.1f} | {row['vs_none']:.3f} "
+                     f"| {runs} "
                      f"| {row['stall_ms_total']:.1f} | {row['overhead_pct']:.2f} "
                      f"| {row['snapshot_mb_per_iter']:.2f} | {row['window'] or '-'} "
                      f"| {row.get('interval') or '-'} | {row['host_mb']:.1f} |")
@@ -277,6 +287,10 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
                              "knows), kill (real SIGKILL and replacement; needs several "
                              "processes), or both")
     parser.add_argument("--mc-runs", type=int, default=200, help="Monte-Carlo runs (>= 2)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="fault-free runs of every policy, in a rotated order; the "
+                             "overhead is the median of the ratios to the none run of the "
+                             "same repeat (default 1)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per training process and for the profile "
                              "(default: torch's; --quick: 1, robust on shared cores)")
@@ -297,6 +311,8 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         raise ConfigError(f"--mtbf-steps={args.mtbf_steps} must be > 0")
     if args.memory_steps < 0:
         raise ConfigError(f"--memory-steps={args.memory_steps} must be >= 0")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats={args.repeats} must be >= 1")
     if args.mc_runs < 2:
         raise ConfigError(f"--mc-runs={args.mc_runs} must be >= 2")
     return args, overrides
@@ -411,17 +427,24 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     fault_free = ["none", *[p for p in args.policies if p != "none"],
                   *([] if args.quick else args.peers)]
-    results = run_all(fault_free, args.out, args.steps, common, per_policy, [], "",
-                      args.threads, args.mtbf_steps)
-    if "moevement" in results:
-        check_moevement(results["moevement"], "moevement (fault-free)")
+    repeats = []
+    for repeat in range(args.repeats):
+        turn = repeat % len(fault_free)  # no policy always runs first, or last
+        order = fault_free[turn:] + fault_free[:turn]
+        runs = run_all(order, args.out, args.steps, common, per_policy, [],
+                       f"-repeat{repeat}" if repeat else "", args.threads, args.mtbf_steps)
+        repeats.append({label: runs[label] for label in fault_free})
+        if "moevement" in runs:
+            check_moevement(runs["moevement"], f"moevement (fault-free, repeat {repeat})")
+    results = repeats[0]
     simulated = "simulated" in args.kind
     faulty = run_all(list(configs) if simulated else [], args.out, args.steps, common,
                      per_policy, faults, "-mtbf", args.threads, args.mtbf_steps)
-    rows = summarise(results)
+    rows = summarise(repeats)
     command = " ".join(["python recipes/bench.py", *sys.argv[1:]])
     lines = [f"`{command}`", "", "Fault-free:", "", *overhead_markdown(rows)]
-    report: dict[str, Any] = {"command": command, "steps": args.steps, "overhead": rows}
+    report: dict[str, Any] = {"command": command, "steps": args.steps,
+                              "repeats": args.repeats, "overhead": rows}
     ettr_rows: list[dict[str, Any]] = []
     if args.memory_steps:
         long = run_policy("moevement", args.out / "moevement-memory", args.memory_steps,

@@ -4,6 +4,7 @@ Structure and sanity only: no timing assertions (the machine is shared)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -108,6 +109,8 @@ def _rejoin(parts: list[str]) -> list[str]:
 def test_bench_refuses_bad_options_naming_them(tmp_path: Path) -> None:
     done = run_bench(tmp_path, "--mtbf-steps", "0", timeout=120)
     assert done.returncode != 0 and "--mtbf-steps=0.0 must be > 0" in done.stderr
+    done = run_bench(tmp_path, "--repeats", "0", timeout=120)
+    assert done.returncode != 0 and "--repeats=0 must be >= 1" in done.stderr
     done = run_bench(tmp_path, "--quick", "--mtbf-steps", "1000", timeout=120)
     assert done.returncode != 0 and "puts no failure within --steps=24" in done.stderr
     done = run_bench(tmp_path, "--quick", "moe:checkpoint.interval=3", timeout=120)
@@ -116,3 +119,23 @@ def test_bench_refuses_bad_options_naming_them(tmp_path: Path) -> None:
     assert done.returncode != 0 and "may only set checkpoint.* options" in done.stderr
     done = run_bench(tmp_path, "--quick", "--kind", "kill", timeout=120)
     assert done.returncode != 0 and "--kind kill needs several worker processes" in done.stderr
+
+
+def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
+    """A slow repeat (the machine busy for minutes) moves both of its runs: the per-repeat
+    ratio cancels it, the median over repeats drops an outlier."""
+    spec = importlib.util.spec_from_file_location("bench", REPO / "recipes" / "bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def repeat(none_ms: float, moevement_ms: float) -> dict[str, Any]:
+        return {label: {"iteration_ms": {"median": ms}}
+                for label, ms in (("none", none_ms), ("moevement", moevement_ms))}
+
+    rows = bench.summarise([repeat(50.0, 51.0), repeat(60.0, 61.2), repeat(52.0, 57.2)])
+    (none, moevement) = rows
+    assert none["vs_none"] == 1.0 and none["vs_none_runs"] == [1.0, 1.0, 1.0]
+    assert moevement["vs_none_runs"] == pytest.approx([1.02, 1.02, 1.10])
+    assert moevement["vs_none"] == pytest.approx(1.02)  # the outlier repeat is dropped
+    assert moevement["iteration_ms"] == 57.2  # median of the runs' medians
