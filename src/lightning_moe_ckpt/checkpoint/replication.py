@@ -62,12 +62,20 @@ def verify_window(snapshots: dict[int, dict[str, Any]], rank: int, window_start:
                     f"{step} is missing")
 
 
+_SPARE_BUFFERS = 4  # receive buffers kept per payload size for reuse
+
+
 @dataclass
 class ReplicaStore:
-    """Serialized snapshots this rank holds for its source ranks, two windows each."""
+    """Serialized snapshots this rank holds for its source ranks, two windows each.
+
+    Payloads of dropped windows become receive buffers for the next ones (by size): a
+    snapshot of the same plan shape has the same size, so steady-state replication
+    allocates, and faults in, no new host memory."""
 
     windows: dict[int, dict[int, dict[int, torch.Tensor]]] = field(
         default_factory=lambda: defaultdict(dict))  # source -> window start -> step -> bytes
+    spare: dict[int, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
 
     def put(self, source: int, window_start: int, step: int, data: torch.Tensor) -> None:
         """Keep a received snapshot; drop that source's windows older than the previous."""
@@ -75,16 +83,25 @@ class ReplicaStore:
         held.setdefault(window_start, {})[step] = data
         starts = sorted(held)
         for start in starts[:-2]:
-            del held[start]
+            for payload in held.pop(start).values():
+                spare = self.spare[payload.numel()]
+                if len(spare) < _SPARE_BUFFERS:
+                    spare.append(payload)
+
+    def buffer(self, size: int) -> torch.Tensor:
+        """A host buffer of ``size`` bytes to receive a payload into."""
+        spare = self.spare.get(size)
+        return spare.pop() if spare else torch.empty(size, dtype=torch.uint8)
 
     def window(self, source: int, window_start: int) -> dict[int, torch.Tensor]:
         """The serialized snapshots of one window of ``source`` (empty when not held)."""
         return dict(self.windows.get(source, {}).get(window_start, {}))
 
     def nbytes(self) -> int:
-        """Bytes held for all sources."""
-        return sum(t.numel() for held in self.windows.values() for steps in held.values()
-                   for t in steps.values())
+        """Bytes held for all sources, spare receive buffers included."""
+        return (sum(t.numel() for held in self.windows.values() for steps in held.values()
+                    for t in steps.values())
+                + sum(t.numel() for spare in self.spare.values() for t in spare))
 
 
 class Replicator:
@@ -195,7 +212,7 @@ class Replicator:
         _wait(ops)
         if self.before_payload is not None:
             self.before_payload(snapshot.step)
-        received = {s: torch.empty(int(sizes[s]), dtype=torch.uint8) for s in self.sources}
+        received = {s: self.replicas.buffer(int(sizes[s])) for s in self.sources}
         ops = [dist.P2POp(dist.irecv, received[s], s, self.group) for s in self.sources]
         ops += [dist.P2POp(dist.isend, data, p, self.group) for p in self.peers]
         _wait(ops)
