@@ -213,7 +213,7 @@ class CheckpointCoordinator(StepHooks):
         it held for its peers."""
         self.store.discard_all()
         if self.replicator is not None:
-            self.replicator.replicas.windows.clear()
+            self.replicator.replicas.clear()
 
     def reform_replication(self) -> None:
         """The process groups were formed anew: replicate over a new group, keeping the

@@ -88,6 +88,11 @@ class ReplicaStore:
                 if len(spare) < _SPARE_BUFFERS:
                     spare.append(payload)
 
+    def clear(self) -> None:
+        """Drop everything held for every source (a dead worker's host memory)."""
+        self.windows.clear()
+        self.spare.clear()
+
     def buffer(self, size: int) -> torch.Tensor:
         """A host buffer of ``size`` bytes to receive a payload into."""
         spare = self.spare.get(size)

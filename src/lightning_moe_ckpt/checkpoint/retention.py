@@ -135,9 +135,10 @@ class RetainingReplicaStore(ReplicaStore):
         """The retained saves of ``source``: operator -> (step, one-piece snapshot)."""
         return dict(self.saves.get(source, {}))
 
+    @override
     def clear(self) -> None:
         """Drop everything held (windows and retained saves) for every source."""
-        self.windows.clear()
+        super().clear()
         self.saves.clear()
         self.masters.clear()
 
