@@ -1,7 +1,9 @@
-"""Shared fixtures: small model configs, a reference batch, the repository paths."""
+"""Shared fixtures: small model configs, a reference batch, the repository paths, and
+whether a process is alive."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,15 @@ from lightning_moe_ckpt.models import MoEModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (real-failure tests: a killed worker is gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.fixture

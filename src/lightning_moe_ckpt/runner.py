@@ -216,8 +216,10 @@ def _handle_peer_failures(settings: RunSettings, job: JobStore, engine: Training
                                  dist.get_backend(), checkpointing.upstream_log)
     engine.hooks.insert(0, handler)  # heartbeat and generation check come first
     if job.replaces is not None:
+        if injector is not None:  # its own fault is behind it; where it joins, not known yet
+            injector.real_from = None  # (the replication thread may run before that)
         handler.join_as_replacement()
-        if injector is not None:  # this rank's own fault is behind it
+        if injector is not None:
             injector.real_from = engine.step + 1
     if injector is not None:  # from now on, real faults in phase "recovery" can strike
         handler.recovery_started = injector.fail_during_recovery

@@ -2,13 +2,15 @@
 
 Processes are started with ``torch.multiprocessing`` (spawn) on a free loopback port; each
 runs with one intra-op thread so several fit on a 2-core machine. Rank 0 writes its result
-with ``torch.save`` to a file the parent reads back.
+with ``torch.save`` to a file the parent reads back; a process that raised exits non-zero
+and fails the run.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -32,13 +34,16 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = fn(*args)
-        if rank == 0:
-            torch.save(result, out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    result = fn(*args)
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    # Leave at once, the work done and saved: tearing gloo's groups down in interpreter
+    # finalization occasionally aborts a process (SIGABRT, "terminate called without an
+    # active exception"), which would fail a run that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(world: int, fn: Callable[..., Any], *args: Any) -> Any:

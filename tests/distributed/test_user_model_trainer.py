@@ -14,7 +14,6 @@ recovery. A torchtitan-style grouped-experts model takes the same path through i
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import alive
 from tests.distributed.script_runs import (
     assert_equal_runs,
     assert_recovered,
@@ -99,14 +99,6 @@ def test_a_failure_mid_window_recovers_bitwise(runs: Runs, model: str, pp: int, 
     assert_recovered(recovered, failed, scope)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize(("pp", "ep", "failed", "scope"),
                          [(2, 1, 1, [1]), (1, 2, 0, [0, 1]), (2, 2, 2, [2, 3])],
                          ids=["pp2-last-stage", "ep2", "pp2xep2-last-stage"])
@@ -126,7 +118,7 @@ def test_a_worker_killed_mid_window_is_replaced_and_recovers_bitwise(
     view = json.loads(status.read_text())
     (replacement,) = view["replacements"]
     assert replacement["rank"] == failed and replacement["cause"] == "exit -9"
-    assert not _alive(replacement["dead_pid"])  # the fault fired: that process is gone
+    assert not alive(replacement["dead_pid"])  # the fault fired: that process is gone
     for part, expected in zip(recovered, golden, strict=True):
         rank = part["rank"]
         if rank == failed:

@@ -75,8 +75,9 @@ class FailureInjector(L.Callback, StepHooks):
         self.target: TrainingTarget | None = None
         self.rank, self.world_size = 0, 1
         self.trainer: L.Trainer | None = None  # loads durable checkpoints when set
-        # Real faults fire from this step on (a replacement joins after its rank's fault).
-        self.real_from = 0
+        # Real faults fire from this step on (a replacement joins after its rank's fault;
+        # None while it does not know yet where it joins: none fires).
+        self.real_from: int | None = 0
 
     def attach(self, target: TrainingTarget, rank: int = 0, world_size: int = 1) -> None:
         """Start injecting into ``target`` (attach ``checkpointing`` first)."""
@@ -107,7 +108,7 @@ class FailureInjector(L.Callback, StepHooks):
             coordinator.snapshots.interrupt_copy(step)
         events = self.schedule.events_at(step)
         for event in events:
-            if (event.real and event.rank == self.rank and step >= self.real_from
+            if (event.real and event.rank == self.rank and self._real_at(step)
                     and event.phase not in ("replication", "recovery")):
                 self.counter.record(event)
                 fail_for_real(event)
@@ -174,9 +175,13 @@ class FailureInjector(L.Callback, StepHooks):
         sent to the peers (as a simulated one, it strikes while iteration s runs)."""
         for event in self.schedule.events_at(snapshot_step + 1):
             if (event.real and event.rank == self.rank and event.phase == "replication"
-                    and snapshot_step + 1 >= self.real_from):
+                    and self._real_at(snapshot_step + 1)):
                 self.counter.record(event)
                 fail_for_real(event)
+
+    def _real_at(self, step: int) -> bool:
+        """Whether this rank's real faults at ``step`` may still fire."""
+        return self.real_from is not None and step >= self.real_from
 
     def _destroy(self) -> None:
         """What this rank's worker loses when it fails."""
