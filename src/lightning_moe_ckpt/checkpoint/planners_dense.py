@@ -7,9 +7,10 @@ since the last snapshot (or since the checkpoint a recovery restored).
 * **Gemini** uses a fixed ``k`` (``checkpoint.interval``) or the *oracle* ``k`` for an MTBF
   (``checkpoint.mtbf_s``): the interval maximising the paper's §2.4 ETTR formula
   ``1 / (1 + T_ckpt / (T_iter k)) x 1 / (1 + E[R] / MTBF)`` with ``E[R] = fixed recovery
-  + k T_iter / 2``, swept with the simulator's own formula and sweep. Until a snapshot
-  cost is known (given, or measured through :meth:`GeminiPlanner.record_overhead`) it
-  snapshots every iteration, which is how the first cost gets measured.
+  + k T_iter / 2``, swept with :mod:`lightning_moe_ckpt.ettr_formulas` (the leaf module
+  the simulator uses too). Until a snapshot cost is known (given, or measured through
+  :meth:`GeminiPlanner.record_overhead`) it snapshots every iteration, which is how the
+  first cost gets measured.
 * **CheckFreq** adapts ``k`` from the measured per-snapshot overhead so that the
   runtime overhead ``T_ckpt / (k T_iter)`` stays within ``checkpoint.max_overhead``
   (3% as in the paper): the smallest such ``k``.
