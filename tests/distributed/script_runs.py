@@ -63,6 +63,27 @@ def assert_equal_runs(expected: list[Any], got: list[Any]) -> None:
             assert torch.equal(loss, b["losses"][step]), (a["rank"], step)
 
 
+def merged_state(parts: list[Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """The whole model's state from every rank's share of it."""
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for part in parts:
+        state.update(part["state"])
+    return state
+
+
+def assert_same_model(reference: list[Any], got: list[Any]) -> None:
+    """Two layouts of one training run end in the same model bitwise (every parameter and
+    moment under the model's own names) with the same losses."""
+    expected, actual = merged_state(reference), merged_state(got)
+    assert expected.keys() == actual.keys()
+    for name, tensors in expected.items():
+        for key, tensor in tensors.items():
+            assert torch.equal(tensor, actual[name][key]), (name, key)
+    assert reference[0]["losses"].keys() == got[0]["losses"].keys()
+    for step, loss in reference[0]["losses"].items():
+        assert torch.equal(loss, got[0]["losses"][step]), step
+
+
 def assert_recovered(parts: list[Any], failed: int, scope: list[int]) -> None:
     """The fault fired once, only ``scope`` rolled back, paused ranks ran no pass."""
     for part in parts:

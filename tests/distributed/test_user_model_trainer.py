@@ -25,6 +25,8 @@ from tests.conftest import alive
 from tests.distributed.script_runs import (
     assert_equal_runs,
     assert_recovered,
+    assert_same_model,
+    merged_state,
     run_script,
     run_supervised,
 )
@@ -58,28 +60,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return run
 
 
-def _merged(parts: list[Any]) -> dict[str, dict[str, torch.Tensor]]:
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for part in parts:
-        state.update(part["state"])
-    return state
-
-
 def test_pipeline_of_a_users_module_equals_one_process_bitwise(runs: Runs) -> None:
-    reference, pipelined = runs(1, 1, 1), runs(2, 1, 1)
-    expected, got = _merged(reference), _merged(pipelined)
-    assert expected.keys() == got.keys()
-    for name, tensors in expected.items():
-        for key, tensor in tensors.items():
-            assert torch.equal(tensor, got[name][key]), (name, key)
-    assert all(torch.equal(reference[0]["losses"][s], pipelined[0]["losses"][s])
-               for s in reference[0]["losses"])
+    assert_same_model(runs(1, 1, 1), runs(2, 1, 1))
 
 
 @pytest.mark.parametrize(("pp", "ep"), [(1, 2), (2, 2)], ids=["ep2", "pp2xep2"])
 def test_expert_parallel_users_module_matches_one_process_to_rounding(runs: Runs, pp: int,
                                                                       ep: int) -> None:
-    expected, got = _merged(runs(1, 1, ep)), _merged(runs(pp, ep, 1))
+    expected, got = merged_state(runs(1, 1, ep)), merged_state(runs(pp, ep, 1))
     assert expected.keys() == got.keys()
     for name, tensors in expected.items():
         for key, tensor in tensors.items():
