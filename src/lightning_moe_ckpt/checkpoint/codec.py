@@ -23,6 +23,7 @@ single-``torch.save`` encoding.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import struct
 from collections.abc import Iterable, Mapping
@@ -100,10 +101,7 @@ def _read_piece(blob: memoryview) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for name, dtype_name, shape in layout:
         dtype = getattr(torch, dtype_name)
-        count = 1
-        for size in shape:
-            count *= size
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         data = torch.frombuffer(blob[offset:offset + nbytes], dtype=torch.uint8)
         tensors[name] = data.clone().view(dtype).reshape(shape)
         offset += nbytes

@@ -201,9 +201,11 @@ class UserLoopTarget(TrainingTarget):
         """The logged batch of iteration ``step``, or the one read again (a process that
         joined later holds no log of the iterations before it)."""
         record = self.batch_log.find(step)
-        if record is None and self.reread is not None:
+        if record is not None:
+            return record
+        if self.reread is not None:
             return self.reread(step)
-        return self.batch_log.get(step)
+        return self.batch_log.get(step)  # not held: its error names the step
 
     @override
     def resume_at(self, step: int) -> None:
