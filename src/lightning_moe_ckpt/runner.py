@@ -450,6 +450,7 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
             job = _job_store(settings)
             if job is not None:  # its helper thread ends before the interpreter does
                 job.stop_heartbeat()
+            _leave_process_groups()
             return metrics
     if (settings.layout.world_size > 1
             and settings.checkpoint.policy not in ("none", *PEER_POLICIES)
@@ -457,7 +458,21 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         print("note: without the supervisor a worker that really dies ends the job; set "
               "recovery.supervise=true to have it replaced and recovered", file=sys.stderr,
               flush=True)
-    return _train_and_write(settings)
+    metrics = _train_and_write(settings)
+    _leave_process_groups()
+    return metrics
+
+
+def _leave_process_groups() -> None:
+    """Destroy this process's process groups once its work is done and written.
+
+    Left to interpreter finalization, gloo's worker threads can still hold work whose
+    tensors need the GIL, and the process aborts (SIGABRT, "terminate called without an
+    active exception") after a run that succeeded; under the supervisor that reads as a
+    failed worker. Only on success, as torchtitan does: after an error a peer may still be
+    inside a collective with this process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _train_and_write(settings: RunSettings) -> dict[str, Any]:

@@ -15,7 +15,10 @@ script recovers the replaced rank's state from its peers (see
 :mod:`~lightning_moe_ckpt.strategies.real_failures`).
 ``--timeout-s`` must equal the strategy's ``recovery_timeout_s`` (both default to 60);
 ``--status`` names a JSON file with the store address and every worker's pid, rewritten
-whenever a process changes. The exit code is 0 once every worker finished its training.
+whenever a process changes. The exit code is 0 once every worker finished its training
+and exited cleanly. End the script with ``torch.distributed.destroy_process_group()``: a
+worker that leaves with process groups alive can abort at interpreter exit, and a worker
+failing after its training ended is reported (exit code 1), not replaced.
 """
 
 from __future__ import annotations

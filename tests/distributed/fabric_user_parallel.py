@@ -81,6 +81,7 @@ def main(pp: int, ep: int, out: str, fail: str | None = None) -> None:
     dist.all_gather_object(parts, report)
     if dist.get_rank() == 0:
         torch.save(parts, out)
+    dist.destroy_process_group()  # as every distributed script should, before exit
 
 
 if __name__ == "__main__":

@@ -127,6 +127,7 @@ def main(model: str, pp: int, ep: int, shards: int, out: str, fail: str | None =
     dist.all_gather_object(parts, report)
     if dist.get_rank() == 0:
         torch.save(parts, out)
+    dist.destroy_process_group()  # as every distributed script should, before exit
 
 
 if __name__ == "__main__":

@@ -161,6 +161,23 @@ def test_a_kill_during_a_recovery_widens_it_and_ends_bitwise(
     _assert_paused_ran_nothing(recovery, world=4)
 
 
+def test_a_kill_between_the_optimizer_step_and_its_snapshot_recovers_bitwise(
+        tmp_path: Path, golden_pp2: Path) -> None:
+    """Rank 1 (last stage) is SIGKILLed right after optimizer step 6, before it takes
+    SS_6. Step 6 starts a window (checkpoint.window=3), so rank 0 is in the window
+    agreement's all-reduce when its peer goes: rank 0 completed iteration 6, and the
+    replacement's replay of it needs what rank 0 logged of that iteration (its clip
+    coefficient) although rank 0's checkpoint hook broke."""
+    result = run_recipe(tmp_path, *PP2, "faults=at", "faults.kind=kill",
+                        "faults.events=[{step: 7, rank: 1, phase: snapshot_copy}]")
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = _assert_replaced(tmp_path, 1, "exit -9", world=2)
+    (recovery,) = metrics["real_recoveries"]
+    assert recovery["failed_step"] == 7 and recovery["ranks_rolled_back"] == [1]
+    assert recovery["iterations_replayed"] is None  # rank 0 paused: no report of its own
+    _assert_bitwise(golden_pp2, tmp_path, metrics)
+
+
 def test_rank_0_killed_while_it_replicates_is_replaced_by_a_warm_spare(
         tmp_path: Path, golden_pp2: Path) -> None:
     """Rank 0 (first stage) is SIGKILLed in its replication thread, between announcing

@@ -1,6 +1,7 @@
 """The supervisor on its own: it replaces a worker that exits or hangs (killing the hung
 one by its pid), gives every replacement the failed rank's identity, leaves alone a worker
-whose training finished, and stops with a non-zero code once ``max_restarts`` is used up.
+whose training finished (and reports, without replacing it, one that fails after its
+training ended), and stops with a non-zero code once ``max_restarts`` is used up.
 Workers here are tiny Python commands; ``python -m lightning_moe_ckpt.supervise`` runs
 them from a script file."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -39,6 +41,9 @@ WORKER = textwrap.dedent("""
             store.set(finished_key(rank, os.getpid()), "1")
             time.sleep(8)
             sys.exit(0)
+        if sys.argv[1] == "abort_after_training":  # dies at exit, its training over
+            store.set(finished_key(rank, os.getpid()), "1")
+            os.abort()
         time.sleep(600)  # hang: no more heartbeats
 """)
 
@@ -80,6 +85,20 @@ def test_a_worker_whose_training_finished_is_not_taken_for_hung() -> None:
     supervisor = _supervisor("finished", timeout_s=3.0)  # it lingers past the timeout
     assert supervisor.run() == 0
     assert supervisor.replacements == []
+
+
+def test_a_worker_failing_after_its_training_ended_fails_the_job_unreplaced(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """No generation can form once ranks finished: the failure is reported, not
+    replaced (a replacement would wait for peers that are gone)."""
+    supervisor = _supervisor("abort_after_training")
+    assert supervisor.run() == 1
+    assert supervisor.replacements == []
+    assert len(supervisor.pids[1]) == 1  # no process was started for rank 1
+    err = capsys.readouterr().err
+    assert f"rank 1 (pid {supervisor.pids[1][0]}) failed after its training loop ended: " \
+        f"exit {-signal.SIGABRT}; not replaced" in err
+    assert "destroy_process_group()" in err
 
 
 def test_a_warm_spare_takes_the_failed_rank_and_unused_spares_leave() -> None:

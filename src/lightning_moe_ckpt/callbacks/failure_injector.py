@@ -40,7 +40,7 @@ from lightning_moe_ckpt.recovery.faults import (
     destroy_rank_state,
 )
 from lightning_moe_ckpt.recovery.replay import Cascade, RecoveryReport
-from lightning_moe_ckpt.targets.base import StepHooks, TrainingTarget
+from lightning_moe_ckpt.targets.base import StepHooks, StepResult, TrainingTarget
 
 # Recovery phases in the order they happen ("convert_load": loading the window's first
 # snapshot; "convert": replaying the window with frozen operators).
@@ -87,7 +87,9 @@ class FailureInjector(L.Callback, StepHooks):
             return
         self.target = target
         self.rank, self.world_size = rank, world_size
-        target.hooks.append(self)
+        # Ahead of the checkpoint's own hook: a real fault in phase "snapshot_copy" strikes
+        # between the optimizer step and the snapshot of it.
+        target.hooks.insert(target.hooks.index(self.checkpointing.coordinator), self)
         handler = self.checkpointing.peer_failures
         if handler is not None:  # real failures of peers are recovered on this rank
             handler.recovery_started = self.fail_during_recovery
@@ -109,7 +111,8 @@ class FailureInjector(L.Callback, StepHooks):
         events = self.schedule.events_at(step)
         for event in events:
             if (event.real and event.rank == self.rank and self._real_at(step)
-                    and event.phase not in ("replication", "recovery")):
+                    and event.phase not in ("replication", "recovery")
+                    and not (event.phase == "snapshot_copy" and step > 0)):
                 self.counter.record(event)
                 fail_for_real(event)
         events = [event for event in events if not event.real]  # nobody else reads those
@@ -161,6 +164,17 @@ class FailureInjector(L.Callback, StepHooks):
             "stale_experts": summary["stale_experts"],
             "timings_s": summary["timings_s"],
         })
+
+    @override
+    def after_optimizer_step(self, step: int, result: StepResult) -> None:
+        """A real fault in phase ``snapshot_copy`` at step ``s`` strikes right after
+        optimizer step ``s - 1``, before SS_(s-1) is taken (the copy a simulated one
+        interrupts): the peers may be inside the checkpoint's own collectives then."""
+        for event in self.schedule.events_at(step + 1):
+            if (event.real and event.rank == self.rank and event.phase == "snapshot_copy"
+                    and self._real_at(step + 1)):
+                self.counter.record(event)
+                fail_for_real(event)
 
     def fail_during_recovery(self, failed_step: int) -> None:
         """A real fault in phase ``recovery`` at step ``s`` strikes while this rank (a

@@ -107,6 +107,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
     persisted window and keeps the newest ``durable_keep`` of them.
     """
 
+    records_for_replay = True  # its step hook logs the scalars a replay reuses
+
     def __init__(self, policy: str = "moevement", replicas: int = 2,
                  warmup_iterations: int = 3, durable_every: int | None = None,
                  durable_dir: str | None = None, durable_keep: int = 2,

@@ -18,7 +18,9 @@ The survivors see the new generation (a collective error, or the generation key 
 next iteration), re-form their process groups under the store prefix ``gen<g>/`` and
 recover with the replacement; they keep their processes and their state. After
 ``max_restarts`` replacements the job fails with an error naming the rank and the
-generation. The job's exit code is 0 when every worker finished training.
+generation. The job's exit code is 0 when every worker finished training and exited
+cleanly; a worker that fails after its training loop ended is reported, not replaced
+(no generation can form without the ranks that finished), and the code is then 1.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class Supervisor:
         self._publish(store, workers, idle)
         beats = {rank: (-1, time.monotonic()) for rank in workers}
         done: set[int] = set()
+        after_training: dict[int, str] = {}  # ranks that failed once their training ended
         generation = 0
         try:
             while len(done) < self.world_size:
@@ -131,6 +134,15 @@ class Supervisor:
                     code = process.poll()
                     if code == 0:
                         done.add(rank)
+                    elif code is not None and self._training_finished(store, rank, process.pid):
+                        # No generation can form without the ranks that finished, and
+                        # there is nothing left to train: the failure is reported, not
+                        # replaced (see _after_training).
+                        done.add(rank)
+                        after_training[rank] = f"exit {code}"
+                        print(f"supervisor: rank {rank} (pid {process.pid}) failed after "
+                              f"its training loop ended: exit {code}; not replaced",
+                              file=sys.stderr, flush=True)
                     elif code is not None:
                         failed[rank] = f"exit {code}"
                     elif self._hung(store, rank, process.pid, beats):
@@ -186,7 +198,25 @@ class Supervisor:
         for index, _ in idle:  # training is over: the unused spares leave
             store.set(f"spare/{index}", json.dumps(None))
         self._stop(_every_process({}, idle), grace_s=self.timeout_s)
-        return 0
+        return self._after_training(after_training)
+
+    @staticmethod
+    def _training_finished(store: TCPStore, rank: int, pid: int) -> bool:
+        """Whether process ``pid`` of ``rank`` reported the end of its training loop."""
+        return store.check([finished_key(rank, pid)])
+
+    @staticmethod
+    def _after_training(failed: dict[int, str]) -> int:
+        """The job's exit code once every worker ended: 1 when some failed after their
+        training loop ended (while writing results, or at interpreter exit), else 0."""
+        if not failed:
+            return 0
+        ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
+        print(f"supervisor: {ranks} failed after training ended, so the results they "
+              "write may be missing; a worker that leaves with process groups alive can "
+              "abort at interpreter exit: end the training script with "
+              "torch.distributed.destroy_process_group()", file=sys.stderr, flush=True)
+        return 1
 
     def _start(self, base: dict[str, str], rank: int, generation: int,
                replaces: int | None) -> subprocess.Popen[bytes]:
@@ -198,7 +228,7 @@ class Supervisor:
 
     def _hung(self, store: TCPStore, rank: int, pid: int,
               beats: dict[int, tuple[int, float]]) -> bool:
-        if store.check([finished_key(rank, pid)]):
+        if self._training_finished(store, rank, pid):
             return False  # its training is over: no more beats are due
         count = int(store.add(heartbeat_key(rank, pid), 0))
         last, since = beats[rank]

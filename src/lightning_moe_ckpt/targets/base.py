@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -121,6 +121,12 @@ class UserModelParallelism(ABC):
 class StepHooks:
     """Observers of the training loop (snapshotting, profiling, failure injection);
     every method defaults to doing nothing."""
+
+    # Whether after_optimizer_step only records, locally, what a replay of the iteration
+    # needs from this rank (the upstream log's scalars). Such hooks see a completed
+    # iteration before any other: another's collective may break on a dead peer, and the
+    # recovery then replays that iteration from what was recorded.
+    records_for_replay: ClassVar[bool] = False
 
     def before_iteration(self, step: int) -> None:
         """Iteration ``step`` is about to start (its batch is logged)."""
@@ -255,11 +261,23 @@ class TrainingTarget(ABC):
             self.registry.frozen_slices.release()
 
     def finish_iteration(self, result: StepResult) -> None:
-        """The iteration is complete: count it and let observers snapshot it."""
+        """The iteration is complete: count it and let observers record and snapshot it.
+
+        The iteration stands whatever the observers do. When one of their collectives
+        breaks (a peer died), :meth:`iteration_failed` takes over: after a recovery,
+        :class:`IterationAborted` names the step to go on at, which is ``step`` when the
+        recovery kept this rank past the iteration."""
         index = self.step
         self.step += 1
         for hook in self.hooks:
-            hook.after_optimizer_step(index, result)
+            if hook.records_for_replay:
+                hook.after_optimizer_step(index, result)
+        try:
+            for hook in self.hooks:
+                if not hook.records_for_replay:
+                    hook.after_optimizer_step(index, result)
+        except RuntimeError as error:  # a broken collective or P2P (DistBackendError)
+            self.iteration_failed(error)
 
     @contextmanager
     def hooks_suspended(self) -> Iterator[None]:

@@ -102,10 +102,13 @@ def train_iteration(executor: Executor, optimizer: MasterWeightAdamW, scheduler:
     if grads and (max_grad_norm is not None or clip_coef is not None):
         torch._foreach_mul_(list(grads.values()), coef)
     lr = float(optimizer.param_groups[0]["lr"])
+    # The statistics' collective runs before the update: a peer that dies during it leaves
+    # this rank's state untouched, and the iteration simply runs again after the recovery.
+    # Nothing after the update communicates.
+    stats = executor.iteration_stats(loss_sum, microbatches)
     step()
     optimizer.zero_grad()
     scheduler.step()
-    stats = executor.iteration_stats(loss_sum, microbatches)
     return IterationResult(loss=stats.loss, aux_loss=stats.aux_loss,
                            grad_norm=grad_norm.detach(), clip_coef=coef.detach(), lr=lr,
                            expert_load=stats.expert_load, dropped=stats.dropped,

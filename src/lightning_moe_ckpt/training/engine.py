@@ -19,7 +19,11 @@ from lightning_moe_ckpt.checkpoint.snapshot import restore_rng, rng_state
 from lightning_moe_ckpt.models.transformer import MoETransformer
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.precision import MasterWeightAdamW
-from lightning_moe_ckpt.targets.base import PipelineExecution, TrainingTarget
+from lightning_moe_ckpt.targets.base import (
+    IterationAborted,
+    PipelineExecution,
+    TrainingTarget,
+)
 from lightning_moe_ckpt.training.core import (
     IterationResult,
     build_model,
@@ -145,13 +149,19 @@ class TrainingEngine(TrainingTarget):
                 self.executor, self.optimizer, self.scheduler, inputs, targets,
                 backward if backward is not None else _plain_backward, hooked_step,
                 self.settings.optim.max_grad_norm, clip_coef)
-        except (RuntimeError, torch.distributed.DistBackendError) as error:
-            if stepped:  # the state advanced; the statistics after the step did not finish
-                self.step += 1
+        except RuntimeError as error:  # a broken collective or P2P (DistBackendError)
+            if stepped:  # nothing after the update communicates: this is no peer's failure
+                raise
             self.iteration_failed(error)  # a peer died: recover, or propagate
             raise
-        self.finish_iteration(result)
-        return result
+        after = self.step + 1
+        try:
+            self.finish_iteration(result)
+        except IterationAborted as aborted:
+            if aborted.step != after:  # the recovery moved this rank: go on from there
+                raise
+        return result  # complete, also when an observer's collective broke and the job
+        # recovered with this rank past the iteration
 
 
 def _plain_backward(loss: torch.Tensor) -> None:
