@@ -154,14 +154,15 @@ class TrainingEngine(TrainingTarget):
                 raise
             self.iteration_failed(error)  # a peer died: recover, or propagate
             raise
+        # The iteration is complete, also when an observer's collective broke and the job
+        # recovered with this rank past it: its result stands.
         after = self.step + 1
         try:
             self.finish_iteration(result)
         except IterationAborted as aborted:
             if aborted.step != after:  # the recovery moved this rank: go on from there
                 raise
-        return result  # complete, also when an observer's collective broke and the job
-        # recovered with this rank past the iteration
+        return result
 
 
 def _plain_backward(loss: torch.Tensor) -> None:
