@@ -145,6 +145,24 @@ def test_moevement_reorders_only_at_window_boundaries(specs: tuple[OperatorSpec,
     assert planner.reorders == 2
 
 
+def test_moevement_reads_no_popularity_while_a_window_is_one_iteration(
+        specs: tuple[OperatorSpec, ...]) -> None:
+    """At W = 1 every operator's full state is taken each iteration: order cannot matter,
+    so shifting routing causes no reorder (and no rebuilt copy list) until W grows."""
+    dense = float(sum(s.master_state_bytes + s.compute_bytes for s in specs))
+    planner = MoEvementPlanner(specs, iteration_time_s=1.0, bandwidth_bytes_per_s=dense,
+                               top_k=2, n_layers=LAYERS, n_experts=EXPERTS,
+                               popularity="ema", ema_alpha=0.0)
+    routing = iter([_skewed([0, 1, 2, 3]), _skewed([3, 2, 1, 0])] * 4)
+    plans = [p for start in range(1, 9) for p in _window_plans(planner, start, routing)]
+    assert [p.window for p in plans] == [1] * 8
+    assert {frozenset(p.master) for p in plans} == {frozenset(s.name for s in specs)}
+    assert planner.reorders == 1  # the first window's order, then none
+    planner.set_profile(1.0, dense / 4)  # W grows: popularity decides the order again
+    plans = _window_plans(planner, 9, iter([_skewed([3, 2, 1, 0])] * 8))
+    assert plans[0].window > 1 and planner.reorders == 2
+
+
 # Layer 0 starts at [10, 20, 30, 40] tokens (frequencies 0.2, 0.4, 0.6, 0.8; top-2).
 SWAP_01 = _counts([[20.0, 10.0, 30.0, 40.0], [10.0, 20.0, 30.0, 40.0]])  # 2 of 8: +100%, -50%
 NUDGE_01 = _counts([[10.5, 19.5, 30.0, 40.0], [10.0, 20.0, 30.0, 40.0]])  # +5%, -2.5%

@@ -181,7 +181,8 @@ class MoEvementPlanner(BasePlanner):
     when the window starts and recorded in every plan of the window. At a window boundary
     the planner reads the popularity tracker once and reorders only if
     :func:`~lightning_moe_ckpt.checkpoint.popularity.should_reorder` says the frequencies
-    moved enough since the order in force was built. A new profile (:meth:`set_profile`)
+    moved enough since the order in force was built (not while the window is a single
+    iteration, where the order changes nothing). A new profile (:meth:`set_profile`)
     also takes effect at the next boundary. Without a profile or a forced ``window`` it
     plans nothing (the engine profiles the first iterations). ``window_agreement`` maps
     this rank's smallest fitting W to the W all ranks use (e.g. an all-reduce MAX), so
@@ -274,7 +275,11 @@ class MoEvementPlanner(BasePlanner):
     def _start_window(self, iteration: int) -> bool:
         if self.profile is None and self.forced_window is None:
             return False
-        if self._maybe_reorder():
+        # A window of one iteration takes every operator's full state at once: the order,
+        # all that popularity decides, changes nothing then, so the tracker is not read
+        # (nor the copy lists rebuilt for a new order) until the window grows.
+        single = self.schedule is not None and self.schedule.window == 1 and not self._stale
+        if not single and self._maybe_reorder():
             self._stale = True
         if self._stale or self.schedule is None:
             self.schedule = self._build()
