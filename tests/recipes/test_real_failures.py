@@ -164,10 +164,11 @@ def test_a_kill_during_a_recovery_widens_it_and_ends_bitwise(
 def test_a_kill_between_the_optimizer_step_and_its_snapshot_recovers_bitwise(
         tmp_path: Path, golden_pp2: Path) -> None:
     """Rank 1 (last stage) is SIGKILLed right after optimizer step 6, before it takes
-    SS_6. Step 6 starts a window (checkpoint.window=3), so rank 0 is in the window
-    agreement's all-reduce when its peer goes: rank 0 completed iteration 6, and the
-    replacement's replay of it needs what rank 0 logged of that iteration (its clip
-    coefficient) although rank 0's checkpoint hook broke."""
+    SS_6. Step 6 starts a window (checkpoint.window=3): rank 0 starts the agreement on
+    the next window's W, an all-reduce its peer never joins, without waiting for it and
+    goes on into iteration 7, where its first send breaks. Rank 0 completed iteration 6,
+    and the replacement's replay of it needs what rank 0 logged of that iteration (its
+    clip coefficient)."""
     result = run_recipe(tmp_path, *PP2, "faults=at", "faults.kind=kill",
                         "faults.events=[{step: 7, rank: 1, phase: snapshot_copy}]")
     assert result.returncode == 0, result.stderr[-4000:]

@@ -198,19 +198,63 @@ def test_moevement_restarts_windows_and_round_trips(specs: tuple[OperatorSpec, .
     assert [clone.plan(t) for t in range(10, 15)] == [planner.plan(t) for t in range(10, 15)]
 
 
+class _FakeAgreement:
+    """Ranks agreeing on the largest W: this rank's proposals against a peer's W that the
+    test sets (a proposal is agreed as it is started, the way an all-reduce would be
+    once every rank started it)."""
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.proposals: list[int] = []
+        self.agreed: int | None = None
+
+    def start(self, window: int) -> None:
+        self.proposals.append(window)
+        self.agreed = max(window, self.peer)
+
+    def result(self) -> int:
+        assert self.agreed is not None
+        return self.agreed
+
+
 def test_moevement_window_agreement(specs: tuple[OperatorSpec, ...]) -> None:
     dense = sum(s.master_state_bytes for s in specs)
-    seen: list[int] = []
-
-    def agree(local: int) -> int:
-        seen.append(local)
-        return max(local, 5)
-
+    agreement = _FakeAgreement(peer=5)
     planner = MoEvementPlanner(specs, iteration_time_s=1.0, bandwidth_bytes_per_s=dense,
-                               window_agreement=agree)
+                               window_agreement=agreement)
     plan = planner.plan(1)
-    assert seen == [1] and plan is not None and plan.window == 5
+    # The first boundary waits for its own agreement, then proposes for the next one.
+    assert agreement.proposals == [1, 1] and plan is not None and plan.window == 5
     assert plan.schedule is not None and plan.schedule["fits"]
+
+
+def test_moevement_agrees_on_w_in_the_background(specs: tuple[OperatorSpec, ...]) -> None:
+    """A boundary uses the W agreed for the previous boundary's proposals and starts the
+    next agreement, so no boundary waits on the other ranks; a recovery (every rank at
+    once) starts over with an agreement the boundary waits for."""
+    dense = sum(s.master_state_bytes for s in specs)
+    agreement = _FakeAgreement(peer=1)
+    planner = MoEvementPlanner(specs, iteration_time_s=1.0, bandwidth_bytes_per_s=dense,
+                               window_agreement=agreement)
+    first = planner.plan(1)
+    assert first is not None and first.window == 1 and agreement.proposals == [1, 1]
+    agreement.peer = 3  # another rank's W grew: agreed with the proposal of boundary 2
+    second = planner.plan(2)
+    assert second is not None and second.window == 1  # boundary 2 uses boundary 1's
+    assert agreement.proposals == [1, 1, 1]  # one agreement per boundary from now on
+    third = planner.plan(3)
+    assert third is not None and third.window == 3 and third.window_start == 3
+    assert agreement.proposals == [1, 1, 1, 1]  # this rank's own W, agreed as 3
+    assert [planner.plan(t) is not None for t in (4, 5)] == [True, True]
+    assert agreement.proposals == [1, 1, 1, 1]  # inside the window: no agreement
+    planner.on_recovery(6)
+    agreement.peer = 1
+    after = planner.plan(6)
+    # This rank proposes what it needs (1), not the W it ran with (3): once no rank needs
+    # more, W comes back down. The first boundary after the recovery waits for its own
+    # agreement again.
+    assert after is not None and after.window == 1
+    assert agreement.proposals == [1, 1, 1, 1, 1, 1]
 
 
 def test_moevement_within_window_plans_never_read_the_device(

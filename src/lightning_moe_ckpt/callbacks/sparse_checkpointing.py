@@ -15,7 +15,8 @@ are errors naming ``checkpoint.<key>``).
 
 For ``moevement`` without a forced ``window`` the first ``warmup_iterations`` are profiled
 (iteration time, device-to-host bandwidth) before the first window is planned; all ranks
-agree on the largest W so window boundaries line up. Metrics logged every step:
+agree on the largest W so window boundaries line up (:class:`LargestAcrossRanks`, in the
+background between boundaries). Metrics logged every step:
 snapshot bytes, stall ms, W, reorders, replication lag.
 
 Under the supervisor (``python -m lightning_moe_ckpt.supervise``) a user's module split by
@@ -58,10 +59,31 @@ _BANDWIDTH_PROBE_BYTES = 32 * 2**20
 _ONE = torch.ones(())  # the clip coefficient of a loop that does not clip
 
 
-def _agree_on_largest(window: int) -> int:
-    value = torch.tensor([window], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value)
+class LargestAcrossRanks:
+    """The largest of one integer proposed by every rank: an all-reduce MAX over the
+    default group, started without waiting (:meth:`start`) and collected later
+    (:meth:`result`), or both at once (a call). The moevement planner agrees on W in the
+    background with it; the dense planners agree on a measured ``k`` by calling it."""
+
+    def __init__(self) -> None:
+        self._value = torch.zeros(1, dtype=torch.int64)
+        self._work: dist.Work | None = None
+
+    def start(self, value: int) -> None:
+        """Propose ``value``; the all-reduce runs in the background."""
+        self._value = torch.tensor([value], dtype=torch.int64)
+        self._work = dist.all_reduce(self._value, op=dist.ReduceOp.MAX, async_op=True)
+
+    def result(self) -> int:
+        """The largest value of the last proposal (waits until every rank made it)."""
+        if self._work is None:
+            raise RuntimeError("LargestAcrossRanks.result() before any start()")
+        self._work.wait()
+        return int(self._value)
+
+    def __call__(self, value: int) -> int:
+        self.start(value)
+        return self.result()
 
 
 def _ranks_per_node(fabric: Any) -> int:
@@ -182,9 +204,9 @@ class SparseCheckpointing(L.Callback, StepHooks):
             if key in accepted and value is not None:
                 options.setdefault(key, value)
         if "window_agreement" in accepted and world_size > 1:
-            options["window_agreement"] = _agree_on_largest
+            options["window_agreement"] = LargestAcrossRanks()
         if "interval_agreement" in accepted and world_size > 1:  # measured k: all ranks alike
-            options["interval_agreement"] = _agree_on_largest
+            options["interval_agreement"] = LargestAcrossRanks()
         planner = make_planner(self.policy, specs_from_registry(registry, target.state),
                                **options)
         if self._pending_state is not None and self._pending_state.get("planner") is not None:
