@@ -50,7 +50,12 @@ def test_quick_bench_reports_measured_and_predicted_ettr_per_policy(
     assert len(schedules) == 1, "every policy must face the same failures"
     for policy, row in rows.items():
         assert row["failures"] >= 1 and row["failure_steps"], policy
-        assert 0 < row["ettr_measured"] <= 1, (policy, row["ettr_measured"])
+        # Recoveries only take time away. The runtime factor compares this run's loop with
+        # the separate 24-step `none` run on shared cores: that ratio carries a few % of
+        # noise either way, so a policy that replays nothing (W = 1) may read an ETTR just
+        # above 1 (CI saw MoC at 1.013). Far above 1 means the loop time is mis-counted.
+        assert 0 < row["recovery_factor"] <= 1, (policy, row["recovery_factor"])
+        assert 0 < row["runtime_factor"] < 1.25, (policy, row["runtime_factor"])
         assert row["ettr_measured"] == pytest.approx(row["runtime_factor"]
                                                      * row["recovery_factor"])
         for key in ("ettr_same_failures", "ettr_analytic", "ettr_mc_mean"):
