@@ -66,20 +66,20 @@ class LargestAcrossRanks:
     background with it; the dense planners agree on a measured ``k`` by calling it."""
 
     def __init__(self) -> None:
-        self._value = torch.zeros(1, dtype=torch.int64)
-        self._work: dist.Work | None = None
+        self._last: tuple[torch.Tensor, dist.Work] | None = None  # the tensor reduced in place
 
     def start(self, value: int) -> None:
         """Propose ``value``; the all-reduce runs in the background."""
-        self._value = torch.tensor([value], dtype=torch.int64)
-        self._work = dist.all_reduce(self._value, op=dist.ReduceOp.MAX, async_op=True)
+        proposal = torch.tensor([value], dtype=torch.int64)
+        self._last = proposal, dist.all_reduce(proposal, op=dist.ReduceOp.MAX, async_op=True)
 
     def result(self) -> int:
         """The largest value of the last proposal (waits until every rank made it)."""
-        if self._work is None:
+        if self._last is None:
             raise RuntimeError("LargestAcrossRanks.result() before any start()")
-        self._work.wait()
-        return int(self._value)
+        proposal, work = self._last
+        work.wait()
+        return int(proposal)
 
     def __call__(self, value: int) -> int:
         self.start(value)
