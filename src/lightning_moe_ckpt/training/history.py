@@ -2,17 +2,52 @@
 
 Recording a step appends device tensors and adds the expert load into a running
 ``[layers, experts]`` total, so the hot loop never waits on the host; everything is
-converted to Python numbers once, when the metrics file and plots are written.
+converted to Python numbers once, when the metrics file and plots are written. Per-step
+scalars are stacked into one tensor every :data:`STEPS_PER_CHUNK` steps, so a long run
+holds a few bytes per step rather than a tensor object per step and series (about
+800 bytes of host memory each, which grew the process by megabytes per thousand steps).
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import torch
 
 from lightning_moe_ckpt.training.core import IterationResult
+
+STEPS_PER_CHUNK = 256  # scalars stacked together: one small tensor per chunk of steps
+
+
+class ScalarSeries:
+    """One scalar per step, on the device: the newest steps as they came, older ones
+    stacked into chunks (``torch.stack`` is a device op: no host sync)."""
+
+    def __init__(self) -> None:
+        self._chunks: list[torch.Tensor] = []
+        self._recent: list[torch.Tensor] = []
+
+    def append(self, value: torch.Tensor) -> None:
+        """Record one step's value (a 0-dim tensor)."""
+        self._recent.append(value)
+        if len(self._recent) == STEPS_PER_CHUNK:
+            self._chunks.append(torch.stack(self._recent))
+            self._recent.clear()
+
+    def __len__(self) -> int:
+        return STEPS_PER_CHUNK * len(self._chunks) + len(self._recent)
+
+    def tensor(self) -> torch.Tensor | None:
+        """Every recorded value in order, as one 1-D tensor (``None`` when empty)."""
+        parts = self._chunks + ([torch.stack(self._recent)] if self._recent else [])
+        return torch.cat(parts) if parts else None
+
+    def tolist(self) -> list[float]:
+        """Every recorded value as Python numbers (one host transfer)."""
+        values = self.tensor()
+        return [] if values is None else values.tolist()
 
 
 @dataclass
@@ -28,11 +63,11 @@ class ValidationRecord:
 class TrainingHistory:
     """Everything the end-of-run report needs."""
 
-    losses: list[torch.Tensor] = field(default_factory=list)
-    aux_losses: list[torch.Tensor] = field(default_factory=list)
-    clip_coefs: list[torch.Tensor] = field(default_factory=list)
-    dropped: list[torch.Tensor] = field(default_factory=list)
-    iteration_seconds: list[float] = field(default_factory=list)
+    losses: ScalarSeries = field(default_factory=ScalarSeries)
+    aux_losses: ScalarSeries = field(default_factory=ScalarSeries)
+    clip_coefs: ScalarSeries = field(default_factory=ScalarSeries)
+    dropped_total: torch.Tensor | None = None  # routed assignments dropped, summed
+    iteration_seconds: array[float] = field(default_factory=lambda: array("d"))
     validation: list[ValidationRecord] = field(default_factory=list)
     expert_load_total: torch.Tensor | None = None
     memory: list[dict[str, int]] = field(default_factory=list)  # host memory samples
@@ -44,24 +79,28 @@ class TrainingHistory:
 
     def record(self, result: IterationResult) -> None:
         """Append one iteration's results."""
-        if self._started is not None:
-            self.iteration_seconds.append(time.perf_counter() - self._started)
-            self._started = None
+        self._stop_clock()
         self.losses.append(result.loss)
         self.aux_losses.append(result.aux_loss)
         self.clip_coefs.append(result.clip_coef)
-        self.dropped.append(result.dropped)
+        if self.dropped_total is None:  # float64: counts stay exact past 2**24
+            self.dropped_total = torch.zeros((), dtype=torch.float64,
+                                             device=result.dropped.device)
+        self.dropped_total.add_(result.dropped)
         load = result.expert_load
         self.expert_load_total = load.clone() if self.expert_load_total is None \
             else self.expert_load_total.add_(load)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Append one iteration of a model without routing statistics (a user's model)."""
-        if self._started is not None:
-            self.iteration_seconds.append(time.perf_counter() - self._started)
-            self._started = None
+        self._stop_clock()
         self.losses.append(loss)
 
     def loss_values(self) -> list[float]:
         """Per-step training loss as Python floats (one host transfer)."""
-        return torch.stack(self.losses).tolist() if self.losses else []
+        return self.losses.tolist()
+
+    def _stop_clock(self) -> None:
+        if self._started is not None:
+            self.iteration_seconds.append(time.perf_counter() - self._started)
+            self._started = None

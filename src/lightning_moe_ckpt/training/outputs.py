@@ -113,9 +113,10 @@ def write_metrics(path: Path, settings: RunSettings, history: TrainingHistory,
         "snapshot_bytes_per_iter": 0,
         "window": None,
         "loss": losses,
-        "aux_loss": torch.stack(history.aux_losses).tolist() if history.aux_losses else [],
-        "clip_coef": torch.stack(history.clip_coefs).tolist() if history.clip_coefs else [],
-        "dropped_assignments": int(torch.stack(history.dropped).sum()) if history.dropped else 0,
+        "aux_loss": history.aux_losses.tolist(),
+        "clip_coef": history.clip_coefs.tolist(),
+        "dropped_assignments": 0 if history.dropped_total is None
+        else int(history.dropped_total),
         "validation": [vars(v) for v in history.validation],
         "memory": history.memory,
         "iteration_ms": {
