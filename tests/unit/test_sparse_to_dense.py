@@ -41,16 +41,33 @@ def golden(precision: Precision) -> tuple[dict[str, Any], list[float]]:
     return state, losses
 
 
-def run(precision: Precision, fail_at: int | None) -> tuple[dict[str, Any], list[float], Any]:
+class AgreedWindow:
+    """What peers with more operators would agree on: a fixed W, whatever this rank needs."""
+
+    def __init__(self, window: int) -> None:
+        self.window, self.proposals = window, 0
+
+    def start(self, window: int) -> None:
+        self.proposals += 1
+
+    def result(self) -> int:
+        return self.window
+
+
+def run(precision: Precision, fail_at: int | None, steps: int = STEPS,
+        model: dict[str, int] | None = None, agreement: AgreedWindow | None = None
+        ) -> tuple[dict[str, Any], list[float], Any]:
     settings = settings_from_config(OmegaConf.create({
-        "model": {"max_seq_len": 16}, "data": {"seq_len": 16},
-        "trainer": {"precision": precision, "global_batch": 8, "max_steps": STEPS}}))
+        "model": {"max_seq_len": 16, **(model or {})}, "data": {"seq_len": 16},
+        "trainer": {"precision": precision, "global_batch": 8, "max_steps": steps}}))
     engine = TrainingEngine.local(settings)
     engine.batch = batch
     checkpointing = SparseCheckpointing("moevement", replicas=0, window=WINDOW)
     coordinator = checkpointing.attach(engine)
+    if agreement is not None:
+        coordinator.planner.window_agreement = agreement
     losses, report = [], None
-    for step in range(STEPS):
+    for step in range(steps):
         if step == fail_at:
             coordinator.snapshots.wait_copies()  # no copy may read the garbage
             destroy(engine)
@@ -87,3 +104,25 @@ def test_recovery_is_bitwise_equal_to_the_fault_free_run(precision: Precision,
         assert report.window_start == -1  # before any window persisted: the initial state
     else:
         assert report.window == WINDOW and report.replayed == fail_at - report.window_start - 1
+
+
+def test_window_agreed_beyond_this_ranks_operators_recovers_bitwise() -> None:
+    """Peers (other pipeline stages) agreed on a W larger than this rank's operator count:
+    the last turns of each window capture nothing, and recovery is still exact."""
+    model = {"n_layers": 1, "n_experts": 2}
+    settings = settings_from_config(OmegaConf.create({"model": {"max_seq_len": 16, **model},
+                                                      "data": {"seq_len": 16}}))
+    probe = SparseCheckpointing("moevement", replicas=0, window=WINDOW)
+    operators = len(probe.attach(TrainingEngine.local(settings)).planner.specs)
+    probe.close()
+    window = operators + 3
+    agreement = AgreedWindow(window)
+    steps, fail_at = 3 * window + 2, 2 * window + 3
+    golden_state, golden_losses, _ = run("32", None, steps, model, AgreedWindow(window))
+    state, losses, report = run("32", fail_at, steps, model, agreement)
+    assert agreement.proposals > 1  # the planner did consult the agreement
+    assert report is not None and report.failed_step == fail_at
+    assert report.window == window and report.window_start >= window
+    assert report.replayed == fail_at - report.window_start - 1
+    assert_bitwise(golden_state, state)
+    assert losses == golden_losses

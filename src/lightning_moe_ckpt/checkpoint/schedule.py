@@ -10,7 +10,9 @@ operators and equal-count turns; with real sizes the first snapshot, which carri
 later compute weights, is the heavy one, so :func:`plan_window` cuts turns greedily: each
 turn reaches as far along the order as its snapshot still fits (see :func:`_greedy_bounds`
 for why that gives the smallest ``W`` of any cut of the order). A forced ``W``
-(``checkpoint.window``) is cut so that its largest snapshot is as small as possible. When
+(``checkpoint.window``, or the W the ranks agreed on) is cut so that its largest snapshot is
+as small as possible; a W beyond the operator count (a small pipeline stage among larger
+ones) takes one operator per turn and leaves the last turns empty. When
 no cut fits at all, the schedule takes one operator per turn and says ``fits=False``: the
 engine then reports the resulting stall instead of failing.
 """
@@ -94,8 +96,10 @@ class WindowSchedule:
     def __post_init__(self) -> None:
         if self.window != len(self.turns) or self.window < 1:
             raise ValueError(f"window={self.window} but {len(self.turns)} turns")
-        if any(not turn for turn in self.turns):
-            raise ValueError("every turn must capture at least one operator")
+        captured = sum(1 for turn in self.turns if turn)
+        if any(not turn for turn in self.turns[:captured]):
+            raise ValueError("only the last turns may capture no operator (a window longer "
+                             "than the operator count)")
         if tuple(itertools.chain.from_iterable(self.turns)) != self.order:
             raise ValueError("turns must cut the order into consecutive pieces, each "
                              "operator exactly once")
@@ -203,6 +207,8 @@ def _min_max_cut(prefix: _Prefix, window: int) -> list[int]:
     never enlarges a snapshot when each operator's master state is at least its compute
     weights (12 vs 2 or 4 bytes per parameter), so the result is optimal among all cuts
     into ``window`` turns."""
+    if window >= prefix.n:  # one operator per turn; turns past the last capture nothing
+        return [*range(prefix.n + 1), *[prefix.n] * (window - prefix.n)]
     low, high = 0, prefix.cost(0, prefix.n)  # one turn always fits the whole master state
     while low < high:  # the greedy turn count is non-increasing in the budget
         middle = (low + high) // 2
@@ -248,9 +254,8 @@ def plan_window(specs: Sequence[OperatorSpec], iteration_time_s: float,
     prefix = _Prefix(ordered)
     budget = iteration_time_s * bandwidth_bytes_per_s
     if forced_window is not None:
-        require(isinstance(forced_window, int) and 1 <= forced_window <= len(specs),
-                f"{fmt('checkpoint.window', forced_window)} must be >= 1 and <= the number "
-                f"of operators to checkpoint ({len(specs)})")
+        require(isinstance(forced_window, int) and forced_window >= 1,
+                f"{fmt('checkpoint.window', forced_window)} must be an integer >= 1")
         bounds = _min_max_cut(prefix, forced_window)
         largest = max(prefix.cost(a, b) for a, b in itertools.pairwise(bounds))
         return _schedule(ordered, bounds, largest <= budget, budget)
