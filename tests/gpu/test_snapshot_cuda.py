@@ -66,3 +66,24 @@ def test_cuda_snapshots_are_exact_and_pinned(precision: str) -> None:
             assert torch.equal(held, tensor), (snapshot.step, name)
         assert all(piece.verify() for piece in snapshot.pieces.values())
     assert snapshots.pool.allocations > 0
+
+
+def test_device_metadata_reaches_the_host_with_the_copies() -> None:
+    """The clip coefficient stays on the device in the training thread; the snapshot
+    holds a pinned host copy of its value once its copies are done."""
+    settings = settings_from_config(OmegaConf.create({
+        "model": {"max_seq_len": 64}, "data": {"seq_len": 64},
+        "trainer": {"global_batch": 16, "max_steps": 1}}))
+    engine = TrainingEngine.local(settings, device="cuda")
+    snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cuda"))
+    clip = torch.tensor(0.375, device="cuda") * 2
+    names = engine.registry.names
+    snapshot = snapshots.issue(CapturePlan(0, tuple(names), (), 0, 0, 1, None),
+                               {"clip_coef": clip, "lr": 1e-3})
+    del clip  # the allocator may hand its block out again: the copy must still read 0.75
+    torch.empty(1, device="cuda").fill_(-1.0)
+    snapshots.close()
+    held = snapshot.metadata["clip_coef"]
+    assert held.device.type == "cpu" and held.is_pinned()
+    assert torch.equal(held, torch.tensor(0.75))
+    assert snapshot.metadata["lr"] == 1e-3

@@ -178,7 +178,8 @@ class CheckpointCoordinator(StepHooks):
             "window_index": plan.window_index, "window": plan.window,
             "schedule": plan.schedule, "data_position": plan.iteration + 1,
             **self.target.schedule_state(),
-            "clip_coef": None if clip is None else clip.detach().cpu(),
+            # On a GPU the snapshot engine copies it to the host with the pieces (no sync).
+            "clip_coef": None if clip is None else clip.detach(),
             "lr": None if result is None else result.lr,
         }
 

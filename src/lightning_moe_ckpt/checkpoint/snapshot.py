@@ -304,6 +304,7 @@ class SnapshotEngine:
                 self.stream.wait_event(ready)
                 for source, target in zip(sources, targets, strict=True):
                     target.copy_(source, non_blocking=True)
+                _metadata_to_host(metadata, self.stream)
                 snapshot.cuda_done = torch.cuda.Event()
                 snapshot.cuda_done.record(self.stream)
         self.pending.append(snapshot)
@@ -352,6 +353,18 @@ class SnapshotEngine:
                                       else piece.buffers.checksum())
                 self.pieces_checksummed += len(snapshot.pieces)
             snapshot.checksummed.set()
+
+
+def _metadata_to_host(metadata: dict[str, Any], stream: torch.cuda.Stream) -> None:
+    """Replace device tensors in ``metadata`` (the clip coefficient) by pinned host copies
+    issued on ``stream`` with the pieces: a ``.cpu()`` on the training thread would wait
+    for the device every iteration. Readers wait for the snapshot's copies anyway."""
+    for key, value in metadata.items():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(stream)  # the allocator must not reuse it before the copy
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            metadata[key] = host
 
 
 def rng_state() -> dict[str, Any]:
