@@ -223,6 +223,9 @@ class OperatorRegistry:
         self.operators: dict[str, Operator] = {
             op.name: op for op in discover_operators(model, override)}
         self.frozen_slices = FrozenSlices()
+        # requires_grad of the parameters set_frozen froze, as the user had it: activating
+        # them gives it back instead of making every parameter trainable.
+        self._user_requires_grad: dict[int, bool] = {}
         # Whole parameters too are frozen by restoring them around the step (DDP).
         self.freeze_by_restore = freeze_by_restore
 
@@ -253,7 +256,7 @@ class OperatorRegistry:
         for name in names:
             for piece in self[name].pieces:
                 if piece.index is None and not self.freeze_by_restore:
-                    piece.param.requires_grad_(not frozen)
+                    self._hold(piece.param) if frozen else self._release(piece.param)
                 elif piece.index is None:
                     self.frozen_slices.set(piece, frozen)
                 else:
@@ -262,7 +265,22 @@ class OperatorRegistry:
         if self.freeze_by_restore:
             return  # requires_grad stays: every parameter keeps its gradient
         for param in touched.values():  # a fused tensor computes while any slice is active
-            param.requires_grad_(not self.frozen_slices.all_frozen(param))
+            if self.frozen_slices.all_frozen(param):
+                self._hold(param)
+            else:
+                self._release(param)
+
+    def _hold(self, param: nn.Parameter) -> None:
+        """Stop ``param``'s gradient, remembering the user's own ``requires_grad``."""
+        self._user_requires_grad.setdefault(id(param), param.requires_grad)
+        param.requires_grad_(False)
+
+    def _release(self, param: nn.Parameter) -> None:
+        """Give back the ``requires_grad`` the user had before :meth:`_hold` (a parameter
+        the user froze stays frozen; one never held here is left as it is)."""
+        held = self._user_requires_grad.pop(id(param), None)
+        if held is not None:
+            param.requires_grad_(held)
 
     def activate_all(self) -> None:
         """Normal training: every operator active."""

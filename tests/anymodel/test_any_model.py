@@ -18,7 +18,8 @@ from tests.anymodel.harness import FAIL_AT, WINDOW, Run, assert_bitwise, fit
 from tests.anymodel.models import BUILDERS, grouped_experts_moe, mixtral, qwen3_moe
 
 
-def _assert_recovered_sparsely(reference: Run, failed: Run) -> None:
+def _assert_recovered_sparsely(reference: Run, failed: Run, user_frozen: int = 0) -> None:
+    """``user_frozen``: operators the user froze, frozen throughout."""
     assert failed.injector is not None and failed.injector.counter.total == 1
     (recovery,) = failed.injector.recoveries
     assert recovery["failed_step"] == FAIL_AT
@@ -30,7 +31,7 @@ def _assert_recovered_sparsely(reference: Run, failed: Run) -> None:
     # Conversion: frozen operators become active snapshot by snapshot, then all replay.
     frozen = failed.spy.frozen_during_replay
     assert len(frozen) == recovery["iterations_replayed"] == WINDOW
-    assert frozen[0] > frozen[1] > 0 and frozen[-1] == 0
+    assert frozen[0] > frozen[1] > user_frozen and frozen[-1] == user_frozen
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -41,6 +42,27 @@ def test_user_model_recovers_bitwise(name: str) -> None:
     failed = fit(builder, FAIL_AT, **options)
     _assert_recovered_sparsely(reference, failed)
     assert failed.metrics["routing_telemetry"] == "router hooks"
+
+
+def _qwen3_moe_frozen_routers(seed: int = 0) -> torch.nn.Module:
+    """Fine-tuning with the routers frozen by the user (``requires_grad_(False)``)."""
+    model = qwen3_moe(seed=seed)
+    for name, param in model.named_parameters():
+        if ".mlp.gate." in name:
+            param.requires_grad_(False)
+    return model
+
+
+def test_parameters_the_user_froze_stay_frozen_through_recovery() -> None:
+    reference = fit(_qwen3_moe_frozen_routers)
+    failed = fit(_qwen3_moe_frozen_routers, FAIL_AT)
+    routers = [name for name in failed.params if ".mlp.gate." in name]
+    _assert_recovered_sparsely(reference, failed, user_frozen=len(routers))
+    assert routers and not set(routers) & set(failed.optimizer_state)  # never trained
+    registry = failed.checkpointing.target.registry
+    for name in routers:  # the replay froze and activated them; the user's choice stands
+        operator = next(op for op in registry if any(n == name for n, _ in op.params))
+        assert all(not param.requires_grad for _, param in operator.params)
 
 
 def test_manual_optimization_recovers_bitwise() -> None:
