@@ -3,22 +3,29 @@
 Processes are started with ``torch.multiprocessing`` (spawn) on a free loopback port; each
 runs with one intra-op thread so several fit on a 2-core machine. Rank 0 writes its result
 with ``torch.save`` to a file the parent reads back; a process that raised exits non-zero
-and fails the run.
+and fails the run, and a run that overruns is killed by its processes' pids.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+RUN_TIMEOUT_S = 420.0  # below pytest-timeout's 600 s, so the ranks are ended here
+COLLECTIVE_TIMEOUT_S = 300.0  # gloo's default is 30 minutes
 
 
 def free_port() -> int:
@@ -33,7 +40,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     result = fn(*args)
     if rank == 0:
         torch.save(result, out)
@@ -47,9 +55,19 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
 
 
 def run_distributed(world: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` on ``world`` processes; returns what rank 0 returned."""
+    """Run ``fn(*args)`` on ``world`` processes; returns what rank 0 returned. A run that
+    has not ended after :data:`RUN_TIMEOUT_S` fails the test, its processes killed by pid
+    (a rank stuck in a collective also gives up after :data:`COLLECTIVE_TIMEOUT_S`)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.pt")
-        mp.start_processes(_worker, args=(world, free_port(), fn, args, out), nprocs=world,
-                           join=True, start_method="spawn")
+        context = mp.start_processes(_worker, args=(world, free_port(), fn, args, out),
+                                     nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        os.kill(process.pid, signal.SIGKILL)
+                    process.join()
+                pytest.fail(f"{world} ranks of {fn.__name__} overran {RUN_TIMEOUT_S:g} s")
         return torch.load(out, weights_only=False)

@@ -1,24 +1,18 @@
-"""Run a multi-process test script (its own launcher starts the ranks) in bounded time.
-
-The script runs in a fresh session from the repository root; when it overruns, its whole
-process group (the script and the ranks it launched, or the supervisor and its workers)
-is killed by the group's id. It saves a list of per-rank reports (``state``, ``losses``,
-...) to the path it is given.
+"""Run a multi-process test script (its own launcher starts the ranks) in bounded time
+(:func:`tests.bounded.run_bounded`: on overrun the script and the ranks it launched, or
+the supervisor and its workers, are killed by their group's id). It saves a list of
+per-rank reports (``state``, ``losses``, ...) to the path it is given.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.bounded import run_bounded
 
 RUN_TIMEOUT_S = 300
 
@@ -38,15 +32,8 @@ def run_supervised(module: str, out: Path, workers: int, timeout_s: float, statu
 
 
 def _run(command: list[str], out: Path) -> list[Any]:
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the run's own group: it and its ranks
-        output, _ = process.communicate()
-        pytest.fail(f"{command} overran {RUN_TIMEOUT_S} s:\n{output[-4000:]}")
-    assert process.returncode == 0, output[-4000:]
+    done = run_bounded(command, timeout_s=RUN_TIMEOUT_S, merge_stderr=True)
+    assert done.returncode == 0, done.stdout[-4000:]
     reports: list[Any] = torch.load(out, weights_only=False)
     return reports
 

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.sim import simulate
 from lightning_moe_ckpt.sim.profile import load_profile
+from tests.bounded import RUN_TIMEOUT_S, run_bounded
 from tests.conftest import CONF_DIR, REPO
 
 pytestmark = pytest.mark.slow
@@ -26,10 +27,10 @@ POLICIES = ("moevement", "gemini", "moc")
 PEERS = ("lightning-cap", "lightning-oracle", "dcp-cap", "dcp-oracle")
 
 
-def run_bench(out: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(REPO / "recipes" / "bench.py"), "--out",
-                           str(out), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+def run_bench(out: Path, *args: str, timeout: float = RUN_TIMEOUT_S
+              ) -> subprocess.CompletedProcess[str]:
+    return run_bounded([sys.executable, str(REPO / "recipes" / "bench.py"), "--out", str(out),
+                        *args], timeout_s=timeout)
 
 
 @pytest.fixture(scope="module")

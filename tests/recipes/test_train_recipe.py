@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.bounded import run_bounded
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -19,10 +20,8 @@ pytestmark = pytest.mark.slow
 def run_recipe(out_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     """Run the training recipe in a fresh process, as a user would."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    return subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "train.py"), f"out_dir={out_dir}",
-         "trainer.progress_bar=false", *overrides],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    return run_bounded([sys.executable, str(REPO / "recipes" / "train.py"), f"out_dir={out_dir}",
+                        "trainer.progress_bar=false", *overrides], env=env)
 
 
 def assert_states_equal(path_a: Path, path_b: Path) -> None:
