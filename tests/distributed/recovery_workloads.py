@@ -25,9 +25,12 @@ from tests.distributed.workloads import distributed_run
 
 
 def injected_run(settings: RunSettings, window: int, events: list[dict[str, Any]],
-                 upstream_logging: bool = True) -> dict[str, Any]:
+                 upstream_logging: bool = True,
+                 corrupt_local: tuple[int, int] | None = None) -> dict[str, Any]:
     """Train ``settings.max_steps`` with the failures ``events`` injected; returns the
-    consolidated state (rank 0), the losses and, gathered, every rank's facts."""
+    consolidated state (rank 0), the losses and, gathered, every rank's facts.
+    ``corrupt_local=(rank, step)``: before ``step``, that rank flips a bit in its own
+    host copy of every snapshot already replicated (the replicas stay intact)."""
     plan = settings.layout
     mesh = init_device_mesh("cpu", (plan.pp, plan.dp, plan.ep), mesh_dim_names=("pp", "dp", "ep"))
     coords = Coordinates(*mesh.get_coordinate())
@@ -51,17 +54,35 @@ def injected_run(settings: RunSettings, window: int, events: list[dict[str, Any]
 
     injector._destroy = destroy_and_check  # type: ignore[method-assign]
     calls = getattr(engine.executor, "forward_backward_calls", 0)
-    losses = [float(engine.train_iteration(*sampler.iteration(t, shard)).loss)
-              for t in range(settings.max_steps)]
+    losses, corrupted = [], 0
+    for t in range(settings.max_steps):
+        if corrupt_local == (rank, t):
+            corrupted = _corrupt_replicated_snapshots(coordinator)
+        losses.append(float(engine.train_iteration(*sampler.iteration(t, shard)).loss))
     checkpointing.close()
     state = gather_consolidated_state(engine, coords, settings.max_steps)
-    facts = {"destroyed": destroyed, "recoveries": injector.recoveries,
+    facts = {"destroyed": destroyed, "recoveries": injector.recoveries, "corrupted": corrupted,
              "failures": injector.counter.total,
              "paused_calls": getattr(coordinator, "paused_forward_backward", None),
              "calls": getattr(engine.executor, "forward_backward_calls", 0) - calls}
     everything: list[Any] = [None] * world
     dist.all_gather_object(everything, facts)
     return {"state": state, "losses": losses, "ranks": everything}
+
+
+def _corrupt_replicated_snapshots(coordinator: Any) -> int:
+    """Flip one bit of one piece in every local snapshot its replica peers confirmed;
+    returns how many snapshots were corrupted."""
+    coordinator.drain_acks()
+    corrupted = 0
+    for record in coordinator.store.windows.values():
+        for step, snapshot in record.snapshots.items():
+            if step in record.replicated and snapshot.pieces:
+                piece = next(iter(snapshot.pieces.values()))
+                flat = next(iter(piece.tensors.values())).view(-1).view(torch.uint8)
+                flat[len(flat) // 2] ^= 4
+                corrupted += 1
+    return corrupted
 
 
 def state_mismatches(golden: dict[str, Any], state: dict[str, Any]) -> list[str]:
@@ -87,7 +108,8 @@ def scenario_matrix(settings: RunSettings, window: int,
     results: dict[str, Any] = {}
     for name, scenario in scenarios.items():
         run = injected_run(settings, window, scenario["events"],
-                           scenario.get("upstream_logging", True))
+                           scenario.get("upstream_logging", True),
+                           scenario.get("corrupt_local"))
         first = min(event["step"] for event in scenario["events"])
         results[name] = {
             "ranks": run["ranks"],

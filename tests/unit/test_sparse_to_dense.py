@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.checkpoint.codec import CorruptCheckpointError
 from lightning_moe_ckpt.precision import PRECISIONS, Precision
 from lightning_moe_ckpt.recovery.replay import recover_from_store
 from lightning_moe_ckpt.training.engine import TrainingEngine
@@ -126,3 +127,28 @@ def test_window_agreed_beyond_this_ranks_operators_recovers_bitwise() -> None:
     assert report.replayed == fail_at - report.window_start - 1
     assert_bitwise(golden_state, state)
     assert losses == golden_losses
+
+
+def test_a_piece_corrupted_in_host_memory_is_refused_not_restored() -> None:
+    """Local snapshots are verified like fetched replicas: one flipped bit in the host
+    store makes recovery fail naming the piece (no replica here to take its place)."""
+    settings = settings_from_config(OmegaConf.create({
+        "model": {"max_seq_len": 16}, "data": {"seq_len": 16},
+        "trainer": {"global_batch": 8, "max_steps": STEPS}}))
+    engine = TrainingEngine.local(settings)
+    engine.batch = batch
+    checkpointing = SparseCheckpointing("moevement", replicas=0, window=WINDOW)
+    coordinator = checkpointing.attach(engine)
+    for step in range(2 * WINDOW + 1):
+        engine.train_iteration(*batch(step))
+    coordinator.drain()
+    record = coordinator.store.persisted()
+    assert record is not None and record.start >= 0
+    snapshot = record.snapshots[record.start + 1]
+    operator, piece = next(iter(snapshot.pieces.items()))
+    flat = next(iter(piece.tensors.values())).view(-1).view(torch.uint8)
+    flat[len(flat) // 2] ^= 4
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"operator '{operator}', iteration {snapshot.step} fails"):
+        recover_from_store(coordinator, failed_step=2 * WINDOW + 1)
+    checkpointing.close()

@@ -94,7 +94,11 @@ def disk_rollback(coordinator: CheckpointSide, failed_step: int,
         except (OSError, CorruptCheckpointError) as exc:
             error = f"rank {rank}: {exc}"
     else:
-        views = [snapshot_view(s) for s in coordinator.store.windows[step].snapshots.values()]
+        try:
+            views = [snapshot_view(s)
+                     for s in coordinator.store.windows[step].snapshots.values()]
+        except CorruptCheckpointError as exc:  # reported by every rank alike, below
+            error = f"rank {rank}: {exc}"
     errors: list[Any] = [None] * world
     dist.all_gather_object(errors, error)
     if any(errors):

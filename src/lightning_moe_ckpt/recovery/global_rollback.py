@@ -78,22 +78,24 @@ def _window_views(coordinator: CheckpointSide, failed: tuple[int, ...], wants_wi
     rank = dist.get_rank()
     replicator = coordinator.replicator
     record = coordinator.store.windows.get(start)
-    local = record is not None and record.persisted
+    local: list[SnapshotView] | None = None
+    if wants_window and record is not None and record.persisted:
+        try:
+            local = [snapshot_view(s) for s in record.snapshots.values()]
+        except CorruptCheckpointError:
+            local = None  # a replica peer's intact copy replaces this rank's own
     needs: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(needs, wants_window and not local)
-    views: list[SnapshotView] | None = None
+    dist.all_gather_object(needs, wants_window and local is None)
+    views: list[SnapshotView] | None = local
     for source, needed in enumerate(needs):
         if needed:
             if replicator is None:
                 raise CorruptCheckpointError(
-                    f"rank {source} lost the checkpoint window starting at {start} and "
-                    "checkpoint.replicas=0 keeps no copy elsewhere")
+                    f"rank {source} lost the checkpoint window starting at {start} (or "
+                    "holds it corrupt) and checkpoint.replicas=0 keeps no copy elsewhere")
             fetched = replicator.fetch_window(source, start, exclude=failed)
             if source == rank:
                 views = list(fetched.values())
-    if wants_window and views is None:
-        assert record is not None
-        views = [snapshot_view(s) for s in record.snapshots.values()]
     return views
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_moe_ckpt.checkpoint.codec import CorruptCheckpointError
 from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
 from lightning_moe_ckpt.targets.base import TrainingTarget
 
@@ -38,7 +39,18 @@ SnapshotView = Mapping[str, Any]  # {"step", "metadata", "pieces": {op: {"kind",
 
 
 def snapshot_view(snapshot: Snapshot) -> dict[str, Any]:
-    """A local :class:`Snapshot` in the shape decoded replicas have."""
+    """A local :class:`Snapshot` in the shape decoded replicas have, every piece verified
+    against its checksum first (nothing corrupt is restored, from host memory either).
+
+    Raises :class:`CorruptCheckpointError` naming rank, operator and iteration for a piece
+    whose bytes changed or that has no checksum (its copy was cut short by a failure)."""
+    for name, piece in snapshot.pieces.items():
+        if not piece.verify():
+            reason = ("has no checksum (its copy was cut short)" if piece.checksum is None
+                      else "fails its checksum")
+            raise CorruptCheckpointError(
+                f"checkpoint piece of rank {snapshot.rank}, operator {name!r}, iteration "
+                f"{snapshot.step} {reason}")
     return {"step": snapshot.step, "metadata": snapshot.metadata,
             "pieces": {name: {"kind": piece.kind, "tensors": piece.tensors}
                        for name, piece in snapshot.pieces.items()}}
