@@ -5,8 +5,9 @@
 the batch and the per-iteration state, lets the observers run (a failure injector may
 recover there) and then calls ``step_fn(batch)``, which does forward, ``fabric.backward``
 and ``optimizer.step()`` as before. Replay calls the same ``step_fn`` on the logged batch.
-Clip gradients by norm with :meth:`FabricTarget.clip_gradients` (it logs the coefficient
-the replay needs).
+Clip gradients by norm with ``fabric.clip_gradients(model, optimizer, max_norm=...)``
+(rerouted here for this Fabric's strategy) or :meth:`FabricTarget.clip_gradients`: both log
+the coefficient the replay needs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch import nn
 from typing_extensions import override
 
+from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.operators import OperatorOverride, OperatorRegistry
 from lightning_moe_ckpt.recovery.batch_log import BatchRecord
 from lightning_moe_ckpt.targets.telemetry import RouterParser, RouterTelemetry, configured_top_k
@@ -55,6 +57,34 @@ class FabricTarget(UserLoopTarget):
                          parallelism)
         self.fabric = fabric
         self.step_fn = step_fn
+        self._route_clipping()
+
+    def _route_clipping(self) -> None:
+        """Send ``fabric.clip_gradients(..., max_norm=...)`` through :meth:`clip_gradients`:
+        computed from the partly frozen gradients of a replay, the coefficient would
+        differ from the one the run applied. An instance attribute: only this Fabric's
+        strategy is rerouted."""
+        strategy = self.fabric.strategy
+
+        def clip_gradients_norm(module: nn.Module, optimizer: torch.optim.Optimizer,
+                                max_norm: float, norm_type: float = 2.0,
+                                error_if_nonfinite: bool = True) -> torch.Tensor:
+            require(float(norm_type) == 2.0,
+                    f"fabric.clip_gradients(norm_type={norm_type!r}) under sparse "
+                    "checkpointing: replay reuses the logged coefficient of the L2 norm "
+                    "only; use norm_type=2")
+            strategy.precision.unscale_gradients(optimizer)
+            grads = [p.grad for p in strategy.precision.main_params(optimizer)
+                     if p.grad is not None]
+            total = self.total_norm(grads)
+            # As torch.nn.utils.clip_grad_norm_ (a host sync, as there).
+            if error_if_nonfinite and not bool(torch.isfinite(total)):
+                raise RuntimeError(f"the total norm of the gradients is {float(total)}; "
+                                   "pass error_if_nonfinite=False to clip anyway")
+            self.clip_gradients(grads, float(max_norm), total)
+            return total
+
+        strategy.clip_gradients_norm = clip_gradients_norm  # type: ignore[method-assign]
 
     @override
     def run_step(self, record: BatchRecord) -> None:

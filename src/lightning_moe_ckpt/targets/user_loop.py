@@ -282,16 +282,19 @@ class UserLoopTarget(TrainingTarget):
 
     # --- gradient clipping -------------------------------------------------------------
     @torch.no_grad()
-    def clip_gradients(self, grads: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    def clip_gradients(self, grads: Sequence[torch.Tensor], max_norm: float,
+                       total_norm: torch.Tensor | None = None) -> torch.Tensor:
         """Scale ``grads`` by ``min(1, max_norm / (total_norm + 1e-6))`` as
         ``torch.nn.utils.clip_grad_norm_`` does (or by the logged coefficient during
-        replay); returns the coefficient."""
+        replay); returns the coefficient. ``total_norm``: :meth:`total_norm` of ``grads``
+        when the caller has it already."""
         grads = [g for g in grads if g is not None]
         if self.clip_override is not None:
             coef = self.clip_override
             scale_gradients(grads, coef)
         else:
-            coef = clip_by_total_norm(grads, self.total_norm(grads), max_norm)
+            total = self.total_norm(grads) if total_norm is None else total_norm
+            coef = clip_by_total_norm(grads, total, max_norm)
         self._clip = coef.detach()
         return coef
 
