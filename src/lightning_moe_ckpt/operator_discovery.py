@@ -27,6 +27,11 @@ A user override (a mapping of ``fnmatch`` patterns on parameter names to operato
 or a callable ``(name, param) -> operator name | None``) is consulted first and claims
 whole parameters. A parameter that neither claims is an error naming it and showing the
 override, never merged silently into a neighbour.
+
+Persistent buffers (``state_dict`` entries that are not parameters) join an operator
+too: the override's, else inside a block the one the rules above give their name, else
+the one operator holding the parameters around them; a buffer without such an operator
+is an error naming it.
 """
 
 from __future__ import annotations
@@ -38,11 +43,13 @@ from torch import nn
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.operators import (
+    BufferRef,
     Operator,
     OperatorKind,
     OperatorOverride,
     Piece,
     expert_position,
+    persistent_buffers,
 )
 from lightning_moe_ckpt.parallel.fused_experts import ExpertShard
 
@@ -115,26 +122,29 @@ def _fused_experts(model: nn.Module, container: str | None) -> dict[str, tuple[i
 
 def _inside_block(block: str, layer: int, rest: str, param: nn.Parameter,
                   name: str, fused: Mapping[str, tuple[int, int]]) -> list[Assignment]:
-    parts = rest.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part == "experts" and parts[i + 1].isdigit() and i + 2 < len(parts):
-            expert = int(parts[i + 1])
-            operator = ".".join([block, *parts[:i + 2]])
-            return [(operator, "expert", layer, expert, Piece(name, param))]
     if name in fused:
-        prefix = ".".join([block, *parts[:-1]])
+        prefix = ".".join([block, *rest.split(".")[:-1]])
         count, first = fused[name]
         return [(f"{prefix}.{first + e}", "expert", layer, first + e, Piece(name, param, e))
                 for e in range(count)]
+    operator, kind, expert = _block_operator(block, rest)
+    return [(operator, kind, layer, expert, Piece(name, param))]
+
+
+def _block_operator(block: str, rest: str) -> tuple[str, OperatorKind, int | None]:
+    """Operator, kind and expert of the tensor at ``<block>.<rest>`` (not a fused expert
+    tensor): ModuleList experts, then shared experts, routers, and the rest of the block."""
+    parts = rest.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "experts" and parts[i + 1].isdigit() and i + 2 < len(parts):
+            return ".".join([block, *parts[:i + 2]]), "expert", int(parts[i + 1])
     for i, part in enumerate(parts[:-1]):
         if part in _SHARED:
-            operator = ".".join([block, *parts[:i], "shared_experts"])
-            return [(operator, "shared_experts", layer, None, Piece(name, param))]
+            return ".".join([block, *parts[:i], "shared_experts"]), "shared_experts", None
     for i, part in enumerate(parts[:-1]):
         if part in _ROUTER:
-            operator = ".".join([block, *parts[:i + 1]])
-            return [(operator, "gate", layer, None, Piece(name, param))]
-    return [(f"{block}.attn", "attn", layer, None, Piece(name, param))]
+            return ".".join([block, *parts[:i + 1]]), "gate", None
+    return f"{block}.attn", "attn", None
 
 
 def _is_head_layer(module: nn.Module | None) -> bool:
@@ -186,5 +196,51 @@ def discover_operators(model: nn.Module,
     grouped: dict[str, tuple[OperatorKind, int | None, int | None, list[Piece]]] = {}
     for operator, kind, layer, expert, piece in assignments:
         grouped.setdefault(operator, (kind, layer, expert, []))[3].append(piece)
-    return [Operator(name, kind, layer, expert, tuple(pieces))
+    buffers = _assign_buffers(model, container, assignments, claim, set(grouped))
+    return [Operator(name, kind, layer, expert, tuple(pieces), tuple(buffers.get(name, ())))
             for name, (kind, layer, expert, pieces) in grouped.items()]
+
+
+def _assign_buffers(model: nn.Module, container: str | None, assignments: list[Assignment],
+                    claim: Callable[[str, nn.Parameter], str | None],
+                    operators: set[str]) -> dict[str, list[BufferRef]]:
+    """Each persistent buffer joins an operator: the override's, else inside a block the
+    operator the parameter rules give its name, else the one operator holding the
+    parameters of its module (or, for a module without any, of the nearest ancestor
+    with some). Which operator holds a buffer does not matter for exactness, only that
+    one always does."""
+    by_module: dict[str, set[str]] = {}  # module path -> operators of its subtree
+    for operator, _, _, _, piece in assignments:
+        path = piece.param_name
+        while path:
+            path = path.rpartition(".")[0]
+            by_module.setdefault(path, set()).add(operator)
+    assigned: dict[str, list[BufferRef]] = {}
+    for buffer in persistent_buffers(model):
+        chosen = claim(buffer.name, buffer.tensor)  # type: ignore[arg-type]
+        if chosen is not None and chosen not in operators:
+            raise ConfigError(
+                f"the operator override assigns buffer {buffer.name!r} to {chosen!r}, which "
+                f"holds no parameter; choose one of the operators ({len(operators)}), e.g. "
+                f"{sorted(operators)[:3]}")
+        if chosen is None and container is not None and buffer.name.startswith(f"{container}."):
+            key, _, rest = buffer.name[len(container) + 1:].partition(".")
+            chosen = _block_operator(f"{container}.{key}", rest)[0]
+        if chosen is not None and chosen not in operators:  # a block of buffers only
+            chosen = None
+        assigned.setdefault(chosen or _buffer_owner(buffer.name, by_module), []).append(buffer)
+    return assigned
+
+
+def _buffer_owner(name: str, by_module: Mapping[str, set[str]]) -> str:
+    path = name.rpartition(".")[0]
+    while not by_module.get(path) and path:
+        path = path.rpartition(".")[0]
+    owners = by_module.get(path, set())
+    if len(owners) != 1:
+        raise ConfigError(
+            f"buffer {name!r} belongs to no single operator (the parameters around it "
+            f"belong to {', '.join(sorted(owners)[:4]) if owners else 'none'}); assign it "
+            f"explicitly, e.g. SparseCheckpointing(..., operators={{{name!r}: "
+            "'my_operator'}) with an operator that holds parameters")
+    return next(iter(owners))

@@ -85,6 +85,47 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class BufferRef:
+    """A persistent module buffer (BatchNorm statistics, a load-balancing bias updated
+    outside the optimizer): training state that every snapshot of its operator carries.
+
+    Read through the owning module, so a buffer the model reassigns is still found."""
+
+    name: str  # as in model.named_buffers()
+    module: nn.Module
+    attr: str
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The live buffer."""
+        tensor = self.module._buffers[self.attr]
+        assert tensor is not None, self.name  # persistent_buffers() skipped None
+        return tensor
+
+    @property
+    def snapshot_key(self) -> str:
+        """Its name inside a snapshot piece (no parameter key contains a colon)."""
+        return f"buffer:{self.name}"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer."""
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def persistent_buffers(model: nn.Module) -> list[BufferRef]:
+    """The buffers that ``model.state_dict()`` holds, in model order, each once. The
+    others (rotary frequencies and the like) are rebuilt by the model itself."""
+    found: dict[int, BufferRef] = {}
+    for path, module in model.named_modules():
+        for attr, tensor in module._buffers.items():
+            if tensor is not None and attr not in module._non_persistent_buffers_set:
+                name = f"{path}.{attr}" if path else attr
+                found.setdefault(id(tensor), BufferRef(name, module, attr))
+    return list(found.values())
+
+
+@dataclass(frozen=True)
 class OperatorBytes:
     """Byte sizes of one operator's state."""
 
@@ -107,6 +148,7 @@ class Operator:
     layer: int | None
     expert: int | None
     pieces: tuple[Piece, ...]
+    buffers: tuple[BufferRef, ...] = ()  # in every snapshot piece of the operator
 
     @property
     def params(self) -> tuple[tuple[str, nn.Parameter], ...]:
@@ -125,9 +167,14 @@ class Operator:
     def nbytes(self) -> OperatorBytes:
         """Compute bytes from the real tensors; master state at the nominal AdamW size
         (the simulator's sizing; the runtime measures the live optimizer instead)."""
-        compute = sum(piece.compute_bytes for piece in self.pieces)
-        return OperatorBytes(compute, self.numel * MASTER_WEIGHT_BYTES,
+        compute = sum(piece.compute_bytes for piece in self.pieces) + self.buffer_bytes
+        return OperatorBytes(compute, self.numel * MASTER_WEIGHT_BYTES + self.buffer_bytes,
                              self.numel * OPTIMIZER_STATE_BYTES)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the operator's persistent buffers."""
+        return sum(buffer.nbytes for buffer in self.buffers)
 
 
 OperatorOverride = Mapping[str, str] | Callable[[str, nn.Parameter], "str | None"]

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.operators import Piece
+from lightning_moe_ckpt.operators import BufferRef, Piece
 from lightning_moe_ckpt.precision import MasterWeightOptimizer
 
 _SHARED = "/shared"
@@ -45,7 +45,8 @@ class StateFingerprint:
     about 0.1 us per tensor (``map`` over builtins, no bytecode per tensor).
     """
 
-    def __init__(self, access: OptimizerStateAccess, pieces: Iterable[Piece]) -> None:
+    def __init__(self, access: OptimizerStateAccess, pieces: Iterable[Piece],
+                 buffers: Iterable[BufferRef] = ()) -> None:
         self.optimizer = access.optimizer
         self.state = access.optimizer.state
         self.entries = len(self.state)
@@ -53,6 +54,14 @@ class StateFingerprint:
         for piece in pieces:
             for tensor in (piece.param, access.master(piece.param)):
                 bases[id(tensor)] = tensor
+        # A buffer the model reassigns (module.x = new tensor) is a new object in its
+        # module's _buffers.
+        held = list(buffers)
+        self.buffer_dicts = [buffer.module._buffers for buffer in held]
+        self.buffer_attrs = [buffer.attr for buffer in held]
+        self.buffer_tensors = [buffer.tensor for buffer in held]
+        for tensor in self.buffer_tensors:
+            bases[id(tensor)] = tensor
         self.bases = list(bases.values())
         self.pointers = list(map(torch.Tensor.data_ptr, self.bases))
         self.keys = [t for t in self.bases if t in self.state]
@@ -67,6 +76,8 @@ class StateFingerprint:
         state = self.state
         return (self.optimizer.state is state and len(state) == self.entries
                 and list(map(torch.Tensor.data_ptr, self.bases)) == self.pointers
+                and all(map(operator.is_, map(dict.get, self.buffer_dicts, self.buffer_attrs),
+                            self.buffer_tensors))
                 and all(map(operator.is_, map(state.get, self.keys), self.dicts))
                 and list(map(len, self.dicts)) == self.sizes
                 and all(map(operator.is_, map(dict.get, self.owners, self.fields),

@@ -67,6 +67,7 @@ class Run:
     injector: FailureInjector | None
     spy: StepLosses
     metrics: dict[str, Any] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer
@@ -96,15 +97,20 @@ def fit(builder: Callable[..., nn.Module], fail_at: int | None = None, *,
                         gradient_clip_val=None if manual else clip, callbacks=callbacks)
     trainer.fit(module, random_token_loader(n_batches=steps + 2))
     params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
     return Run(params, optimizer_state(module, trainer.optimizers[0]), spy.losses,
-               checkpointing, injector, spy, checkpointing.metrics(1.0))
+               checkpointing, injector, spy, checkpointing.metrics(1.0), buffers)
 
 
 def assert_bitwise(reference: Run, failed: Run, after: int) -> None:
-    """Every parameter, optimizer-state tensor and loss from ``after`` on are equal."""
+    """Every parameter, buffer, optimizer-state tensor and loss from ``after`` on are
+    equal."""
     assert reference.params.keys() == failed.params.keys()
     for name, value in reference.params.items():
         assert torch.equal(value, failed.params[name]), name
+    assert reference.buffers.keys() == failed.buffers.keys()
+    for name, value in reference.buffers.items():
+        assert torch.equal(value, failed.buffers[name]), name
     assert reference.optimizer_state.keys() == failed.optimizer_state.keys()
     for name, state in reference.optimizer_state.items():
         assert state.keys() == failed.optimizer_state[name].keys(), name

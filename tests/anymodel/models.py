@@ -156,15 +156,46 @@ class ModuleListMoE(nn.Module):
         return out.reshape(shape)
 
 
+class BiasBalancedMoE(ModuleListMoE):
+    """DeepSeek-V3-style balancing without an auxiliary loss: a per-expert bias, a buffer
+    of the router updated in ``forward`` (never by the optimizer), shifts the top-k
+    choice toward experts that got fewer tokens; a token counter buffer counts along."""
+
+    def __init__(self, dim: int, ff: int, n_experts: int, top_k: int) -> None:
+        super().__init__(dim, ff, n_experts, top_k)
+        self.router.register_buffer("expert_bias", torch.zeros(n_experts))
+        self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.router(flat), dim=-1)
+        bias = self.router.get_buffer("expert_bias")
+        chosen = (probs.detach() + bias).topk(self.top_k, dim=-1).indices
+        weights = probs.gather(-1, chosen)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel():
+                out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+        if self.training:
+            with torch.no_grad():
+                load = torch.bincount(chosen.flatten(), minlength=len(self.experts)).float()
+                bias += 1e-2 * torch.sign(load.mean() - load)
+                self.tokens_seen += flat.shape[0]
+        return out.reshape(shape)
+
+
 class MixBlock(nn.Module):
     """Pre-norm block: a per-token Linear mixer (no attention needed), then the MoE."""
 
-    def __init__(self, dim: int, ff: int, n_experts: int, top_k: int) -> None:
+    def __init__(self, dim: int, ff: int, n_experts: int, top_k: int,
+                 moe: type[ModuleListMoE] = ModuleListMoE) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.mix = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
-        self.moe = ModuleListMoE(dim, ff, n_experts, top_k)
+        self.moe = moe(dim, ff, n_experts, top_k)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.mix(self.norm1(x))
@@ -182,10 +213,12 @@ class ModuleListLM(nn.Module):
         ff: int = EXPERT_FF,
         n_experts: int = N_EXPERTS,
         top_k: int = TOP_K,
+        moe: type[ModuleListMoE] = ModuleListMoE,
     ) -> None:
         super().__init__()
         self.tok_emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(MixBlock(dim, ff, n_experts, top_k) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(MixBlock(dim, ff, n_experts, top_k, moe)
+                                    for _ in range(n_layers))
         self.final_norm = nn.LayerNorm(dim)
         self.lm_out = nn.Linear(dim, vocab)
 
@@ -200,6 +233,12 @@ def modulelist_moe(seed: int = 0) -> nn.Module:
     """A freshly initialised :class:`ModuleListLM`."""
     torch.manual_seed(seed)
     return ModuleListLM()
+
+
+def bias_balanced_moe(seed: int = 0) -> nn.Module:
+    """:class:`ModuleListLM` with :class:`BiasBalancedMoE` layers (state in buffers)."""
+    torch.manual_seed(seed)
+    return ModuleListLM(moe=BiasBalancedMoE)
 
 
 # --------------------------------------------------------------------------------------------

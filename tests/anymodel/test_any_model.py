@@ -15,7 +15,13 @@ import torch
 
 from lightning_moe_ckpt.operators import expert_position
 from tests.anymodel.harness import FAIL_AT, WINDOW, Run, assert_bitwise, fit
-from tests.anymodel.models import BUILDERS, grouped_experts_moe, mixtral, qwen3_moe
+from tests.anymodel.models import (
+    BUILDERS,
+    bias_balanced_moe,
+    grouped_experts_moe,
+    mixtral,
+    qwen3_moe,
+)
 
 
 def _assert_recovered_sparsely(reference: Run, failed: Run, user_frozen: int = 0) -> None:
@@ -63,6 +69,20 @@ def test_parameters_the_user_froze_stay_frozen_through_recovery() -> None:
     for name in routers:  # the replay froze and activated them; the user's choice stands
         operator = next(op for op in registry if any(n == name for n, _ in op.params))
         assert all(not param.requires_grad for _, param in operator.params)
+
+
+def test_buffers_the_model_updates_in_training_recover_bitwise() -> None:
+    """A load-balancing bias and a token counter kept as buffers (no optimizer touches
+    them) are snapshotted with their operators and restored exactly."""
+    reference = fit(bias_balanced_moe, top_k=2)
+    failed = fit(bias_balanced_moe, FAIL_AT, top_k=2)
+    _assert_recovered_sparsely(reference, failed)  # buffers compared bitwise too
+    biases = [name for name in failed.buffers if name.endswith("router.expert_bias")]
+    assert biases and all(bool(reference.buffers[name].abs().sum() > 0) for name in biases)
+    registry = failed.checkpointing.target.registry
+    held = {buffer.name: op.name for op in registry for buffer in op.buffers}
+    assert held["model.blocks.0.moe.router.expert_bias"] == "model.blocks.0.moe.router"
+    assert held["model.blocks.0.moe.tokens_seen"] == "model.blocks.0.attn"
 
 
 def test_manual_optimization_recovers_bitwise() -> None:

@@ -180,3 +180,55 @@ def test_frozen_operator_skips_weight_gradient_flops(tiny_cfg: MoEModelConfig,
     d_model = tiny_cfg.d_model
     # wq, wk, wv, wo: one skipped [tokens x d] x [tokens x d] weight-gradient GEMM each.
     assert flops["active"] - flops["frozen"] == 4 * 2 * tokens * d_model * d_model
+
+
+class _Stem(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 4)
+        self.register_buffer("position_ids", torch.arange(4))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.gate = torch.nn.Linear(4, 2)
+        self.gate.register_buffer("bias_correction", torch.zeros(2))
+        self.register_buffer("rope", torch.ones(2), persistent=False)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = _Stem()
+        self.layers = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Linear(4, 8)
+
+
+def test_persistent_buffers_join_an_operator_and_the_others_none() -> None:
+    registry = OperatorRegistry(_Net())
+    held = {buffer.name: op.name for op in registry for buffer in op.buffers}
+    assert held == {
+        "stem.position_ids": "embed",  # its module's parameters are the embedding's
+        "layers.0.norm.running_mean": "layers.0.attn",
+        "layers.0.norm.running_var": "layers.0.attn",
+        "layers.0.norm.num_batches_tracked": "layers.0.attn",
+        "layers.0.gate.bias_correction": "layers.0.gate",
+        "layers.1.norm.running_mean": "layers.1.attn",
+        "layers.1.norm.running_var": "layers.1.attn",
+        "layers.1.norm.num_batches_tracked": "layers.1.attn",
+        "layers.1.gate.bias_correction": "layers.1.gate",
+    }  # layers.*.rope is not persistent: the model rebuilds it
+    assert registry["layers.0.gate"].nbytes.compute == (4 * 2 + 2) * 4 + 2 * 4
+
+
+def test_a_buffer_no_operator_can_hold_is_an_error_naming_it() -> None:
+    model = _Net()
+    model.register_buffer("loose", torch.zeros(1))
+    with pytest.raises(ValueError, match="buffer 'loose' belongs to no single operator"):
+        OperatorRegistry(model)
+    registry = OperatorRegistry(model, override={"loose": "head"})
+    assert [b.name for b in registry["head"].buffers] == ["loose"]
+    with pytest.raises(ValueError, match="assigns buffer 'loose' to 'nowhere'"):
+        OperatorRegistry(model, override={"loose": "nowhere"})

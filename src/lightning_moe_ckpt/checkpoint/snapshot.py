@@ -222,11 +222,15 @@ class CopyList:
 
 def _sources(registry: OperatorRegistry, state: OptimizerStateAccess, operator: str,
              kind: PieceKind) -> dict[str, torch.Tensor]:
-    """The live tensors a snapshot piece of ``operator`` copies."""
+    """The live tensors a snapshot piece of ``operator`` copies: its pieces' compute
+    weights or master state, and in either kind its persistent buffers."""
     sources: dict[str, torch.Tensor] = {}
     read = state.compute_sources if kind == "compute" else state.master_sources
-    for piece in registry[operator].pieces:
+    op = registry[operator]
+    for piece in op.pieces:
         sources.update(read(piece))
+    for buffer in op.buffers:
+        sources[buffer.snapshot_key] = buffer.tensor.detach()
     return sources
 
 
@@ -273,8 +277,10 @@ class SnapshotEngine:
                                                                operator, kind))
                        for kind, operators in kinds for operator in operators
                        if operator in self.registry)  # others are held by other ranks
-        fingerprint = StateFingerprint(self.state, (
-            piece for layout in pieces for piece in self.registry[layout.operator].pieces))
+        operators = [self.registry[layout.operator] for layout in pieces]
+        fingerprint = StateFingerprint(self.state,
+                                       (piece for op in operators for piece in op.pieces),
+                                       (buffer for op in operators for buffer in op.buffers))
         built = CopyList(pieces, tuple(t for layout in pieces for t in layout.sources),
                          fingerprint)
         self.copy_lists[shape] = built

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
+from lightning_moe_ckpt.operators import persistent_buffers
 from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
 
 Phase = Literal["forward", "backward", "optimizer", "snapshot_copy", "replication",
@@ -314,6 +315,7 @@ class LostState:
     master_weights: int
     optimizer_states: int
     host_stores: int
+    buffers: int = 0  # persistent module buffers
 
 
 @torch.no_grad()
@@ -345,6 +347,9 @@ def destroy_rank_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
     for param in params:
         garble(param)
         param.grad = None
+    buffers = persistent_buffers(model)  # the others the model rebuilds itself
+    for buffer in buffers:
+        garble(buffer.tensor)
     masters: list[torch.Tensor] = []
     states = 0
     if optimizer is not None:
@@ -359,4 +364,4 @@ def destroy_rank_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
     droppers = list(host_state_droppers)
     for drop in droppers:
         drop()
-    return LostState(len(params), len(masters), states, len(droppers))
+    return LostState(len(params), len(masters), states, len(droppers), len(buffers))

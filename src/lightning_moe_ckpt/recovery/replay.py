@@ -102,10 +102,14 @@ class RecoveryReport:
 @torch.no_grad()
 def load_piece(target: TrainingTarget, operator: str, piece: Mapping[str, Any]) -> None:
     """Load one snapshot piece of ``operator``: compute weights, or master weights
-    (compute weights rounded from them) with their optimizer state."""
+    (compute weights rounded from them) with their optimizer state; its persistent
+    buffers either way."""
     load = target.state.load_compute if piece["kind"] == "compute" else target.state.load_master
-    for part in target.registry[operator].pieces:
+    op = target.registry[operator]
+    for part in op.pieces:
         load(part, piece["tensors"])
+    for buffer in op.buffers:
+        buffer.tensor.copy_(piece["tensors"][buffer.snapshot_key])
 
 
 def sparse_to_dense(target: TrainingTarget, window: Sequence[SnapshotView], failed_step: int,
