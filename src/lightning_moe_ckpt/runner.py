@@ -119,7 +119,8 @@ def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
 
 
 def _launch_settings(settings: RunSettings) -> dict[str, Any]:
-    """Accelerator, devices per node and node count for Lightning."""
+    """Accelerator, devices per node and node count for Lightning (one process too: a
+    single-GPU run of ``hardware=h100`` trains on the GPU, not silently on the CPU)."""
     hardware = settings.hardware
     world = settings.layout.world_size
     if hardware.accelerator == "cpu":  # CPU processes: as many as the layout needs
@@ -285,7 +286,7 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
         default_root_dir=settings.out_dir, use_distributed_sampler=False,
         callbacks=[c for c in (checkpointing, injector, recovery) if c is not None],
         plugins=[AsyncCheckpointIO()] if settings.checkpoint.durable_every else None,
-        **(_launch_settings(settings) if distributed else {"accelerator": "cpu", "devices": 1}),
+        **_launch_settings(settings),
     )
     trainer.fit(module, ckpt_path=settings.ckpt_path)
     core = strategy.core if distributed else None
@@ -320,7 +321,7 @@ def _train_hf_with_trainer(settings: RunSettings, data: RunData,
         default_root_dir=settings.out_dir, use_distributed_sampler=False,
         gradient_clip_val=settings.optim.max_grad_norm,
         callbacks=[c for c in (checkpointing, injector) if c is not None],
-        **(_launch_settings(settings) if distributed else {"accelerator": "cpu", "devices": 1}))
+        **_launch_settings(settings))
     trainer.fit(module)
     if checkpointing is not None and checkpointing.peer_failures is not None:
         checkpointing.peer_failures.job.stop_heartbeat()
@@ -340,13 +341,13 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     strategy: Any = (FabricMoEParallelStrategy(**_strategy_args(settings)) if distributed
                      else "auto")
     fabric = L.Fabric(strategy=strategy, precision="32-true", loggers=_csv_logger(settings),
-                      **(_launch_settings(settings) if distributed
-                         else {"accelerator": "cpu", "devices": 1}))
+                      **_launch_settings(settings))
     fabric.launch()
     checkpointing = _checkpointing(settings)
     if checkpointing is not None and distributed:
         checkpointing.hook_into(strategy.core)  # boundary logging needs the hook first
-    engine = strategy.build_engine(settings) if distributed else TrainingEngine.local(settings)
+    engine = (strategy.build_engine(settings) if distributed
+              else TrainingEngine.local(settings, device=fabric.device))
     shard = strategy.core.data_shard if distributed else 0
     engine.batch = lambda t: data.train.iteration(t, shard)  # replay reads the sampler
     _, wrapped_optimizer = fabric.setup(engine.model, engine.optimizer)

@@ -59,6 +59,23 @@ def test_unknown_preset_names_group_and_value() -> None:
     (["parallel.microbatches=0"], r"parallel\.microbatches=0"),
     (["+trainer.max_stepz=3"], r"trainer\.max_stepz"),
     (["trainer.optim.lr=-1"], r"trainer\.optim\.lr=-1"),
+    (["trainer.max_steps=3.7"], r"trainer\.max_steps=3\.7 must be an integer >= 1"),
+    (["trainer.seed=abc"], r"trainer\.seed='abc' must be an integer >= 0"),
+    (["trainer.global_batch=true"], r"trainer\.global_batch=True must be an integer"),
+    (["trainer.val_batches=0"], r"trainer\.val_batches=0 must be an integer >= 1"),
+    (["trainer.progress_bar=no"], r"trainer\.progress_bar='no' must be true or false"),
+    (["trainer.optim.lr=abc"], r"trainer\.optim\.lr='abc' must be a number > 0"),
+    (["trainer.optim.min_lr_ratio=-1"], r"trainer\.optim\.min_lr_ratio=-1 must be .* \[0, 1\]"),
+    (["trainer.optim.warmup_steps=2.5"], r"trainer\.optim\.warmup_steps=2\.5"),
+    (["trainer.optim.weight_decay=-1"], r"trainer\.optim\.weight_decay=-1"),
+    (["trainer.optim.eps=0"], r"trainer\.optim\.eps=0 must be a number > 0"),
+    (["trainer.optim.betas=[0.9]"], r"trainer\.optim\.betas=\(0\.9,\) must be two numbers"),
+    (["trainer.optim.betas=[1.5,0.9]"], r"trainer\.optim\.betas=\(1\.5, 0\.9\)"),
+    (["hardware.accelerator=tpu"], r"hardware\.accelerator='tpu' must be one of cpu, cuda"),
+    (["hardware.backend=foo"], r"hardware\.backend='foo' must be one of gloo, nccl"),
+    (["hardware.nodes=0"], r"hardware\.nodes=0 must be an integer >= 1"),
+    (["hardware.nodes=3", "parallel.pp=2", "parallel.microbatches=2"],
+     r"hardware\.nodes=3 does not divide the world size 2"),
 ])
 def test_bad_values_name_key_and_value(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):

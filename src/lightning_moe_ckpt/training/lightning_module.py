@@ -53,7 +53,8 @@ class MoELanguageModule(L.LightningModule):
             self.engine = build_engine(self.settings)
             self.data_shard = strategy.core.data_shard  # type: ignore[attr-defined]
         else:
-            self.engine = TrainingEngine.local(self.settings)
+            # Built on the device: a MasterWeightAdamW makes its masters where it is built.
+            self.engine = TrainingEngine.local(self.settings, device=strategy.root_device)
         self.model = self.engine.model
         # Replay reads this rank's batch of a step from the seekable sampler.
         self.engine.batch = lambda t: self.run_data().train.iteration(t, self.data_shard)

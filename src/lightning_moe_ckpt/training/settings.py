@@ -180,6 +180,60 @@ def _pick(values: Mapping[str, Any], group: str, cls: type[Any],
     return cls(**{k: v for k, v in values.items() if k in known})
 
 
+def _integer(values: Mapping[str, Any], key: str, default: int, minimum: int = 1) -> int:
+    """``trainer.<key>`` as an integer >= ``minimum`` (3.7 is refused, not truncated)."""
+    value = values.get(key, default)
+    require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+            f"{fmt(f'trainer.{key}', value)} must be an integer >= {minimum}")
+    return cast(int, value)
+
+
+def _boolean(values: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = values.get(key, default)
+    require(isinstance(value, bool), f"{fmt(f'trainer.{key}', value)} must be true or false")
+    return cast(bool, value)
+
+
+def _check_hardware(hardware: HardwareSettings, world_size: int) -> None:
+    """Refuse a device or backend Lightning and torch would reject only after launch."""
+    for key, known in (("accelerator", ("cpu", "cuda")), ("backend", ("gloo", "nccl"))):
+        value = getattr(hardware, key)
+        require(value in known,
+                f"{fmt(f'hardware.{key}', value)} must be one of {', '.join(known)}")
+    for key in ("nodes", "devices_per_node"):
+        value = getattr(hardware, key)
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"{fmt(f'hardware.{key}', value)} must be an integer >= 1")
+    require(world_size % hardware.nodes == 0,
+            f"{fmt('hardware.nodes', hardware.nodes)} does not divide the world size "
+            f"{world_size} (parallel.pp x dp x ep)")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_optim(optim: OptimSettings) -> None:
+    """Refuse what AdamW or the LR schedule would take silently or fail on later."""
+    def key(name: str) -> str:
+        return fmt(f"trainer.optim.{name}", getattr(optim, name))
+
+    require(_number(optim.lr) and optim.lr > 0, f"{key('lr')} must be a number > 0")
+    require(_number(optim.min_lr_ratio) and 0 <= optim.min_lr_ratio <= 1,
+            f"{key('min_lr_ratio')} must be a number in [0, 1] (a negative one would "
+            "turn the learning rate negative)")
+    require(isinstance(optim.warmup_steps, int) and not isinstance(optim.warmup_steps, bool)
+            and optim.warmup_steps >= 0, f"{key('warmup_steps')} must be an integer >= 0")
+    require(_number(optim.weight_decay) and optim.weight_decay >= 0,
+            f"{key('weight_decay')} must be a number >= 0")
+    require(_number(optim.eps) and optim.eps > 0, f"{key('eps')} must be a number > 0")
+    require(len(optim.betas) == 2 and all(_number(b) and 0 <= b < 1 for b in optim.betas),
+            f"{key('betas')} must be two numbers in [0, 1)")
+    require(optim.max_grad_norm is None or (_number(optim.max_grad_norm)
+                                            and optim.max_grad_norm > 0),
+            f"{key('max_grad_norm')} must be a number > 0 or null")
+
+
 def settings_from_config(cfg: DictConfig) -> RunSettings:
     """Validate the composed recipe config and return typed settings."""
     model = MoEModelConfig.from_mapping(_section(cfg, "model"))
@@ -201,6 +255,7 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
             f"{fmt('parallel.spares', spares)} must be an integer >= 0")
     hardware = _pick(_section(cfg, "hardware"), "hardware", HardwareSettings,
                      ignore=("cluster",))
+    _check_hardware(hardware, layout.world_size)
     trainer = _section(cfg, "trainer")
     unknown = sorted(set(trainer) - set(TRAINER_KEYS))
     require(not unknown, f"unknown key(s) {', '.join('trainer.' + k for k in unknown)}; "
@@ -209,29 +264,26 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
     if "betas" in optim_values:
         optim_values["betas"] = tuple(optim_values["betas"])
     optim = _pick(optim_values, "trainer.optim", OptimSettings)
-    require(optim.lr > 0, f"{fmt('trainer.optim.lr', optim.lr)} must be > 0")
-    require(optim.max_grad_norm is None or optim.max_grad_norm > 0,
-            f"{fmt('trainer.optim.max_grad_norm', optim.max_grad_norm)} must be > 0 or null")
+    _check_optim(optim)
     precision = parse_precision(trainer.get("precision", "32"))
     api = str(cfg.get("api", "trainer"))
     require(api in ("trainer", "fabric"), f"{fmt('api', api)} must be 'trainer' or 'fabric'")
     settings = RunSettings(
         model=model, data=data, layout=layout, hardware=hardware, optim=optim,
         checkpoint=_checkpoint_settings(_section(cfg, "checkpoint")), precision=precision,
-        api=cast(Api, api), seed=int(trainer.get("seed", 0)),
-        max_steps=int(trainer.get("max_steps", 200)),
-        global_batch=int(trainer.get("global_batch", 16)),
-        val_every=int(trainer.get("val_every", 50)),
-        val_batches=int(trainer.get("val_batches", 4)),
-        log_every=int(trainer.get("log_every", 10)),
-        progress_bar=bool(trainer.get("progress_bar", True)),
+        api=cast(Api, api), seed=_integer(trainer, "seed", 0, minimum=0),
+        max_steps=_integer(trainer, "max_steps", 200),
+        global_batch=_integer(trainer, "global_batch", 16),
+        val_every=_integer(trainer, "val_every", 50),
+        val_batches=_integer(trainer, "val_batches", 4),
+        log_every=_integer(trainer, "log_every", 10),
+        progress_bar=_boolean(trainer, "progress_bar", True),
         out_dir=str(cfg.get("out_dir", "outputs")),
         ckpt_path=None if cfg.get("ckpt_path") is None else str(cfg.get("ckpt_path")),
         faults=_section(cfg, "faults"),
         recovery=_recovery_settings(_section(cfg, "recovery")),
         spares=spares,
     )
-    require(settings.max_steps >= 1, f"trainer.max_steps={settings.max_steps} must be >= 1")
     if settings.faults.get("name", "none") != "none":
         from lightning_moe_ckpt.recovery.faults import schedule_from_config
 
