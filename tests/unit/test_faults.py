@@ -24,6 +24,7 @@ from lightning_moe_ckpt.recovery import (
     destroy_rank_state,
     schedule_from_config,
 )
+from lightning_moe_ckpt.recovery.faults import check_reachable
 
 
 def test_at_schedule_fires_listed_events_at_their_steps() -> None:
@@ -186,3 +187,22 @@ def test_destroy_rank_state_garbles_weights_and_clears_optimizer(precision: str,
     separate_masters = 0 if precision == "32" else len(before)
     assert lost.parameters == len(before) and lost.master_weights == separate_masters
     assert lost.optimizer_states == len(before) and lost.host_stores == 2
+
+
+def test_failures_that_would_never_fire_are_refused(tmp_path: Path) -> None:
+    beyond = OmegaConf.create({"name": "at", "events": [{"step": 2, "rank": 0},
+                                                        {"step": 99, "rank": 1}]})
+    with pytest.raises(ConfigError, match=r"faults=at: 1 failure\(s\) at steps >= "
+                                          r"trainer\.max_steps=3 \(the first at step 99\)"):
+        schedule_from_config(beyond, world_size=2, max_steps=3, seed=0)
+    rows = tmp_path / "long.csv"
+    rows.write_text("step,rank\n1,0\n50,0\n60,1\n")
+    with pytest.raises(ConfigError, match=r"faults=trace: 2 failure\(s\) at steps >= "
+                                          r"trainer\.max_steps=10"):
+        schedule_from_config({"name": "trace", "path": str(rows)}, world_size=2,
+                             max_steps=10, seed=0)
+    unchecked = AtSchedule([{"step": 2, "rank": 3}])  # the API: no world size given
+    with pytest.raises(ConfigError, match=r"FailureInjector: a failure on rank 3 is outside "
+                                          r"world size 1"):
+        check_reachable(unchecked, world_size=1, max_steps=None, where="FailureInjector")
+    check_reachable(unchecked, world_size=4, max_steps=3, where="FailureInjector")

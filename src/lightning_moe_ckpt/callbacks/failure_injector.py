@@ -37,6 +37,7 @@ from lightning_moe_ckpt.recovery.faults import (
     FailureCounter,
     FailureEvent,
     FaultSchedule,
+    check_reachable,
     destroy_rank_state,
 )
 from lightning_moe_ckpt.recovery.replay import Cascade, RecoveryReport
@@ -253,4 +254,7 @@ class FailureInjector(L.Callback, StepHooks):
         if self.checkpointing.target is None:  # callbacks listed in the other order
             self.checkpointing.on_train_start(trainer, pl_module)
         assert self.checkpointing.target is not None
+        check_reachable(self.schedule, world_size=trainer.world_size,
+                        max_steps=trainer.max_steps if trainer.max_steps >= 0 else None,
+                        where="FailureInjector")
         self.attach(self.checkpointing.target, trainer.global_rank, trainer.world_size)

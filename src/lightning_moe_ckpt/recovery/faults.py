@@ -63,7 +63,9 @@ class FailureEvent:
 
 
 class FaultSchedule(Protocol):
-    """Anything that says which failures fire at a step."""
+    """Anything that says which failures fire at a step (and lists them all)."""
+
+    events: tuple[FailureEvent, ...]
 
     def events_at(self, step: int) -> list[FailureEvent]:
         """Failures of ``step``, in (rank, phase) order."""
@@ -251,7 +253,9 @@ def schedule_from_config(values: Mapping[str, Any], *, world_size: int, max_step
         if not isinstance(events, Sequence) or isinstance(events, str):
             raise ConfigError(f"faults.events={events!r} must be a list of "
                               "{step, rank[, phase, kind]}")
-        return AtSchedule(events, world_size, kind=kind)
+        at = AtSchedule(events, world_size, kind=kind)
+        check_reachable(at, world_size=world_size, max_steps=max_steps, where="faults=at")
+        return at
     schedule: _ListedSchedule
     if name == "mtbf":
         require("mtbf_steps" in values, "faults=mtbf needs faults.mtbf_steps")
@@ -266,9 +270,26 @@ def schedule_from_config(values: Mapping[str, Any], *, world_size: int, max_step
         configured = values.get("iteration_s")
         schedule = TraceSchedule(path, world_size,
                                  iteration_s if configured is None else float(configured))
+    check_reachable(schedule, world_size=world_size, max_steps=max_steps,
+                    where=f"faults={name}")
     if kind == "simulated":
         return schedule
     return _ListedSchedule(replace(event, kind=kind) for event in schedule.events)
+
+
+def check_reachable(schedule: FaultSchedule, *, world_size: int, max_steps: int | None,
+                    where: str) -> None:
+    """Refuse failures that would never fire: on a rank outside the world, or at a step
+    the run never reaches (``max_steps=None``: no end). A test whose fault silently does
+    not happen tests nothing."""
+    outside = [event for event in schedule.events if event.rank >= world_size]
+    require(not outside, f"{where}: a failure on rank {outside[0].rank if outside else 0} "
+                         f"is outside world size {world_size}; it would never fire")
+    beyond = [event for event in schedule.events
+              if max_steps is not None and event.step >= max_steps]
+    require(not beyond, f"{where}: {len(beyond)} failure(s) at steps >= trainer.max_steps="
+                        f"{max_steps} (the first at step {beyond[0].step if beyond else 0}); "
+                        "they would never fire")
 
 
 def has_real_faults(schedule: FaultSchedule) -> bool:
