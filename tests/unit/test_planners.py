@@ -106,6 +106,17 @@ def test_moevement_waits_for_a_profile(specs: tuple[OperatorSpec, ...]) -> None:
     assert forced.schedule is not None and forced.schedule["budget_bytes"] is None
 
 
+def test_a_forced_window_beyond_the_operators_warns_and_plans_empty_turns(
+        specs: tuple[OperatorSpec, ...]) -> None:
+    window = len(specs) + 2
+    with pytest.warns(UserWarning, match=rf"checkpoint\.window={window} exceeds the "
+                                         rf"{len(specs)} operators"):
+        planner = MoEvementPlanner(specs, window=window)
+    plans = [planner.plan(step) for step in range(1, window + 1)]
+    assert all(plan is not None and plan.window == window for plan in plans)
+    assert [plan.master for plan in plans[-2:] if plan is not None] == [(), ()]
+
+
 def _skewed(order: list[int]) -> torch.Tensor:
     """Counts where expert order[i] gets (i + 1) * 10 tokens in every layer."""
     row = [0.0] * EXPERTS

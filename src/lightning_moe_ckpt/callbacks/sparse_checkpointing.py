@@ -28,6 +28,7 @@ then records each recovery.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -194,6 +195,10 @@ class SparseCheckpointing(L.Callback, StepHooks):
                 return self.coordinator
             raise RuntimeError("this SparseCheckpointing already protects another model")
         device = device if device is not None else torch.device("cpu")
+        if world_size > 1 and self.replicas > world_size - 1:
+            warnings.warn(f"checkpoint.replicas={self.replicas} exceeds the {world_size - 1} "
+                          f"peer(s) of a world of {world_size}: each snapshot gets "
+                          f"{world_size - 1} replica(s)", UserWarning, stacklevel=2)
         registry = target.registry
         options = dict(self.options)
         accepted = planner_options(self.policy)

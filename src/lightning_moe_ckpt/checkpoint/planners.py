@@ -18,6 +18,7 @@ the factory; the dense baselines are in ``planners_dense`` and the partial-exper
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -223,6 +224,12 @@ class MoEvementPlanner(BasePlanner):
         if window is not None:
             require(isinstance(window, int) and window >= 1,
                     f"{fmt('checkpoint.window', window)} must be an integer >= 1")
+            if window > len(specs):
+                warnings.warn(
+                    f"checkpoint.window={window} exceeds the {len(specs)} operators to "
+                    f"checkpoint here: the last {window - len(specs)} snapshots of every "
+                    "window capture nothing, and a failure rolls back up to two windows",
+                    UserWarning, stacklevel=2)
         self.specs = {spec.name: spec for spec in specs}
         layout = expert_layout(list(self.specs), n_layers, n_experts)
         self.tracker = (PopularityTracker(layout.n_layers, layout.n_experts, top_k, popularity,
