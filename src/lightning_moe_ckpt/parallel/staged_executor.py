@@ -30,6 +30,7 @@ from lightning_moe_ckpt.parallel.fused_experts import ExpertShard
 from lightning_moe_ckpt.parallel.model_plans import StagedModel
 from lightning_moe_ckpt.parallel.pipeline import BoundaryHook, PipelineRunner
 from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
+from lightning_moe_ckpt.training.executor import slot_tensor
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -135,8 +136,8 @@ class StagedExecutor:
         owned = [(slot, p.grad) for slot, p in self.owned_norms if p.grad is not None]
         if owned:
             norms = torch._foreach_norm([grad for _, grad in owned])
-            positions = torch.tensor([slot for slot, _ in owned], device=self.device)
-            vector[positions] = torch.stack(norms).float()
+            vector[slot_tensor([slot for slot, _ in owned], self.device)] = \
+                torch.stack(norms).float()
         if not self.replaying:
             dist.all_reduce(vector, group=self.groups.world)
         return torch.linalg.vector_norm(vector)

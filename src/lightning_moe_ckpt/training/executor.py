@@ -44,9 +44,20 @@ def norm_vector(grads: Mapping[str, torch.Tensor], index: Mapping[str, int],
     names = list(grads)
     if names:
         norms = torch._foreach_norm([grads[name] for name in names])
-        positions = torch.tensor([index[name] for name in names], device=device)
-        vector[positions] = torch.stack(norms).float()
+        vector[slot_tensor([index[name] for name in names], device)] = torch.stack(norms).float()
     return vector
+
+
+def slot_tensor(slots: list[int], device: torch.device) -> torch.Tensor:
+    """``slots`` as an index tensor on ``device``. The set of parameters with a gradient
+    changes between iterations (an expert without tokens has none), so it is built each
+    time; on a GPU through pinned memory and a non-blocking copy, because
+    ``torch.tensor(..., device="cuda")`` from pageable memory waits for the device (the
+    whole backward) on every iteration."""
+    positions = torch.tensor(slots, dtype=torch.int64)
+    if device.type == "cuda":
+        return positions.pin_memory().to(device, non_blocking=True)
+    return positions.to(device)
 
 
 class Executor(Protocol):
