@@ -20,6 +20,11 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def is_number(value: Any) -> bool:
+    """An int or float setting (a bool is not one, though Python says it is an int)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def fmt(key: str, value: Any) -> str:
     """Format ``key=value`` the way a Hydra override would spell it."""
     return f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"

@@ -39,7 +39,12 @@ from lightning.fabric.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
-from lightning_moe_ckpt.checkpoint.planners import CapturePlan, make_planner, planner_options
+from lightning_moe_ckpt.checkpoint.planners import (
+    CapturePlan,
+    make_planner,
+    planner_options,
+    setting_options,
+)
 from lightning_moe_ckpt.checkpoint.profiler import IterationProfiler, measure_bandwidth
 from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
 from lightning_moe_ckpt.errors import fmt, require
@@ -138,7 +143,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
                  upstream_logging: bool = True, operators: OperatorOverride | None = None,
                  top_k: int | None = None,
                  router_parser: RouterParser | None = None, **options: Any) -> None:
-        known = planner_options(policy)  # raises for an unknown policy
+        known = setting_options(policy)  # raises for an unknown policy
         unknown = sorted(set(options) - known)
         require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)}"
                              f" for checkpoint={policy}; it accepts "

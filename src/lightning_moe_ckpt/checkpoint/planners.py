@@ -408,14 +408,25 @@ def _planner_classes() -> dict[str, Callable[..., BasePlanner]]:
 PLANNER_NAMES = ("moevement", "gemini", "checkfreq", "moc", "moetion", "none")
 
 
+# Keyword arguments the callback fills in from the model and the world, not settings.
+SUPPLIED_OPTIONS = frozenset({"n_layers", "n_experts", "top_k", "capacity_factors",
+                              "window_agreement", "interval_agreement"})
+
+
 def planner_options(name: str) -> frozenset[str]:
-    """Keyword options (``checkpoint.<option>`` config keys) policy ``name`` accepts."""
+    """Keyword options policy ``name``'s planner takes (settings and supplied ones)."""
     classes = _planner_classes()
     if name not in classes:
         raise ConfigError(f"{fmt('checkpoint', name)} is not a checkpoint policy; choose one "
                           f"of {', '.join(PLANNER_NAMES)} (or the peers lightning, dcp)")
     parameters = inspect.signature(classes[name]).parameters
     return frozenset(p for p, v in parameters.items() if v.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def setting_options(name: str) -> frozenset[str]:
+    """The ``checkpoint.<option>`` settings policy ``name`` accepts (what the callback
+    derives from the model and the world is not among them)."""
+    return planner_options(name) - SUPPLIED_OPTIONS
 
 
 def make_planner(name: str, specs: Sequence[OperatorSpec], **options: Any) -> BasePlanner:

@@ -30,7 +30,7 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 
-from lightning_moe_ckpt.errors import fmt, require
+from lightning_moe_ckpt.errors import fmt, is_number, require
 
 PopularityScheme = Literal["hard", "soft", "ema", "capacity"]
 SCHEMES: tuple[PopularityScheme, ...] = ("hard", "soft", "ema", "capacity")
@@ -56,7 +56,8 @@ class PopularityTracker:
                  layer_ids: Sequence[int] | None = None) -> None:
         require(scheme in SCHEMES, f"{fmt('checkpoint.popularity', scheme)} is not one of "
                                    f"{', '.join(SCHEMES)}")
-        require(0.0 <= alpha < 1.0, f"{fmt('checkpoint.ema_alpha', alpha)} must be in [0, 1)")
+        require(is_number(alpha) and 0.0 <= alpha < 1.0,
+                f"{fmt('checkpoint.ema_alpha', alpha)} must be a number in [0, 1)")
         require(1 <= top_k <= n_experts,
                 f"model.top_k={top_k} must be in [1, model.n_experts={n_experts}]")
         self.scheme = cast(PopularityScheme, scheme)
@@ -139,9 +140,10 @@ class PopularityTracker:
 
 def check_reorder_thresholds(change_threshold: float, fraction_threshold: float) -> None:
     """Raise :class:`~lightning_moe_ckpt.errors.ConfigError` for unusable thresholds."""
-    require(change_threshold >= 0,
-            f"{fmt('checkpoint.reorder_change_threshold', change_threshold)} must be >= 0")
-    require(0 < fraction_threshold <= 1,
+    require(is_number(change_threshold) and change_threshold >= 0,
+            f"{fmt('checkpoint.reorder_change_threshold', change_threshold)} must be a "
+            "number >= 0")
+    require(is_number(fraction_threshold) and 0 < fraction_threshold <= 1,
             f"{fmt('checkpoint.reorder_fraction_threshold', fraction_threshold)} "
             "must be in (0, 1]")
 

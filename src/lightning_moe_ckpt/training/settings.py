@@ -13,7 +13,7 @@ from typing import Any, Literal, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_moe_ckpt.errors import ConfigError, fmt, require
+from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.precision import Precision, parse_precision
@@ -84,13 +84,13 @@ class CheckpointSettings:
 
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
-    from lightning_moe_ckpt.checkpoint.planners import planner_options
+    from lightning_moe_ckpt.checkpoint.planners import setting_options
     from lightning_moe_ckpt.training.peers import PEER_OPTIONS, PEER_POLICIES
 
     values = dict(values)
     policy = str(values.pop("policy", "none"))
     # Names checkpoint=<policy> when unknown.
-    known = PEER_OPTIONS if policy in PEER_POLICIES else planner_options(policy)
+    known = PEER_OPTIONS if policy in PEER_POLICIES else setting_options(policy)
     replicas = values.pop("replicas", 2)
     warmup = values.pop("warmup_iterations", 3)
     durable_every = values.pop("durable_every", None)
@@ -209,27 +209,23 @@ def _check_hardware(hardware: HardwareSettings, world_size: int) -> None:
             f"{world_size} (parallel.pp x dp x ep)")
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _check_optim(optim: OptimSettings) -> None:
     """Refuse what AdamW or the LR schedule would take silently or fail on later."""
     def key(name: str) -> str:
         return fmt(f"trainer.optim.{name}", getattr(optim, name))
 
-    require(_number(optim.lr) and optim.lr > 0, f"{key('lr')} must be a number > 0")
-    require(_number(optim.min_lr_ratio) and 0 <= optim.min_lr_ratio <= 1,
+    require(is_number(optim.lr) and optim.lr > 0, f"{key('lr')} must be a number > 0")
+    require(is_number(optim.min_lr_ratio) and 0 <= optim.min_lr_ratio <= 1,
             f"{key('min_lr_ratio')} must be a number in [0, 1] (a negative one would "
             "turn the learning rate negative)")
     require(isinstance(optim.warmup_steps, int) and not isinstance(optim.warmup_steps, bool)
             and optim.warmup_steps >= 0, f"{key('warmup_steps')} must be an integer >= 0")
-    require(_number(optim.weight_decay) and optim.weight_decay >= 0,
+    require(is_number(optim.weight_decay) and optim.weight_decay >= 0,
             f"{key('weight_decay')} must be a number >= 0")
-    require(_number(optim.eps) and optim.eps > 0, f"{key('eps')} must be a number > 0")
-    require(len(optim.betas) == 2 and all(_number(b) and 0 <= b < 1 for b in optim.betas),
+    require(is_number(optim.eps) and optim.eps > 0, f"{key('eps')} must be a number > 0")
+    require(len(optim.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in optim.betas),
             f"{key('betas')} must be two numbers in [0, 1)")
-    require(optim.max_grad_norm is None or (_number(optim.max_grad_norm)
+    require(optim.max_grad_norm is None or (is_number(optim.max_grad_norm)
                                             and optim.max_grad_norm > 0),
             f"{key('max_grad_norm')} must be a number > 0 or null")
 
@@ -292,6 +288,24 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
         require(settings.checkpoint.policy != "none",
                 f"faults={settings.faults['name']} needs a checkpoint policy to recover "
                 "from (checkpoint=none was given)")
-    require(settings.val_every >= 1, f"trainer.val_every={settings.val_every} must be >= 1")
-    require(settings.log_every >= 1, f"trainer.log_every={settings.log_every} must be >= 1")
+    _check_policy_options(settings.checkpoint, model)
     return settings
+
+
+def _check_policy_options(checkpoint: CheckpointSettings, model: MoEModelConfig) -> None:
+    """Build the policy's planner over stand-in operators of the model's shape, so that a
+    bad ``checkpoint.<option>`` value fails here, before any process starts, and not in
+    every rank once training is set up."""
+    from lightning_moe_ckpt.checkpoint.planners import make_planner, planner_options
+    from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec
+    from lightning_moe_ckpt.training.peers import PEER_POLICIES
+
+    if checkpoint.policy == "none" or checkpoint.policy in PEER_POLICIES:
+        return
+    specs = [OperatorSpec("embed", 1, 1, 1.0), *(
+        OperatorSpec(f"layers.{layer}.moe.experts.{expert}", 1, 1, 0.0)
+        for layer in range(model.n_layers) for expert in range(model.n_experts))]
+    shape = {"n_layers": model.n_layers, "n_experts": model.n_experts, "top_k": model.top_k}
+    accepted = planner_options(checkpoint.policy)
+    make_planner(checkpoint.policy, specs, **checkpoint.options,
+                 **{key: value for key, value in shape.items() if key in accepted})
