@@ -107,6 +107,13 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
             f"{fmt('checkpoint.replicas', replicas)} must be an integer >= 0")
     require(isinstance(warmup, int) and warmup >= 1,
             f"{fmt('checkpoint.warmup_iterations', warmup)} must be an integer >= 1")
+    if policy == "none" or policy in PEER_POLICIES:  # settings these would ignore
+        require(replicas == 0, f"{fmt('checkpoint.replicas', replicas)} has no effect with "
+                               f"checkpoint={policy}, which keeps no replicas; leave it at 0")
+        require(durable_every is None,
+                f"{fmt('checkpoint.durable_every', durable_every)} has no effect with "
+                f"checkpoint={policy}; durable checkpoints come with the sparse and dense "
+                "in-memory policies")
     return CheckpointSettings(policy, replicas, warmup, values, durable_every, durable_dir,
                               upstream_logging, durable_keep)
 
