@@ -83,6 +83,10 @@ def test_unknown_preset_names_group_and_value() -> None:
      r"checkpoint\.durable_every=1 has no effect with checkpoint=none"),
     (["checkpoint=lightning", "checkpoint.replicas=3"],
      r"checkpoint\.replicas=3 has no effect with checkpoint=lightning"),
+    (["+data.path=/tmp/corpus.txt"], r"data\.path='/tmp/corpus\.txt' is a setting of "
+                                     r"data=textfile; data=stdlib does not use it"),
+    (["data=textfile", "+data.val_percent=3"], r"data\.val_percent=3 is a setting of"),
+    (["api=fabric", "+ckpt_path=a.ckpt"], r"ckpt_path='a\.ckpt' resumes .* api=trainer"),
     (["hardware.accelerator=tpu"], r"hardware\.accelerator='tpu' must be one of cpu, cuda"),
     (["hardware.backend=foo"], r"hardware\.backend='foo' must be one of gloo, nccl"),
     (["hardware.nodes=0"], r"hardware\.nodes=0 must be an integer >= 1"),

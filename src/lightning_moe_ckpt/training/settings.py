@@ -240,7 +240,13 @@ def _check_optim(optim: OptimSettings) -> None:
 def settings_from_config(cfg: DictConfig) -> RunSettings:
     """Validate the composed recipe config and return typed settings."""
     model = MoEModelConfig.from_mapping(_section(cfg, "model"))
-    data = _pick(_section(cfg, "data"), "data", DataSettings)
+    data_values = _section(cfg, "data")
+    data = _pick(data_values, "data", DataSettings)
+    for key, source in (("path", "textfile"), ("val_fraction", "textfile"),
+                        ("val_percent", "stdlib")):  # the other source's keys: ignored there
+        require(key not in data_values or data.name == source,
+                f"{fmt(f'data.{key}', data_values.get(key))} is a setting of data={source}; "
+                f"data={data.name} does not use it")
     require(data.name in DATA_SOURCES,
             f"{fmt('data.name', data.name)} is unknown; choose one of {', '.join(DATA_SOURCES)}")
     require(0 < data.seq_len <= model.max_seq_len,
@@ -271,6 +277,9 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
     precision = parse_precision(trainer.get("precision", "32"))
     api = str(cfg.get("api", "trainer"))
     require(api in ("trainer", "fabric"), f"{fmt('api', api)} must be 'trainer' or 'fabric'")
+    require(cfg.get("ckpt_path") is None or api == "trainer",
+            f"{fmt('ckpt_path', cfg.get('ckpt_path'))} resumes a Lightning checkpoint with "
+            f"api=trainer; api={api} would train from scratch")
     settings = RunSettings(
         model=model, data=data, layout=layout, hardware=hardware, optim=optim,
         checkpoint=_checkpoint_settings(_section(cfg, "checkpoint")), precision=precision,
