@@ -87,6 +87,8 @@ def test_unknown_preset_names_group_and_value() -> None:
                                      r"data=textfile; data=stdlib does not use it"),
     (["data=textfile", "+data.val_percent=3"], r"data\.val_percent=3 is a setting of"),
     (["api=fabric", "+ckpt_path=a.ckpt"], r"ckpt_path='a\.ckpt' resumes .* api=trainer"),
+    (["model.vocab_size=10"], r"model\.vocab_size=10 is smaller than data=stdlib's "
+                              r"vocabulary of 256"),
     (["hardware.accelerator=tpu"], r"hardware\.accelerator='tpu' must be one of cpu, cuda"),
     (["hardware.backend=foo"], r"hardware\.backend='foo' must be one of gloo, nccl"),
     (["hardware.nodes=0"], r"hardware\.nodes=0 must be an integer >= 1"),

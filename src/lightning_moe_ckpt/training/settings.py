@@ -13,6 +13,7 @@ from typing import Any, Literal, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_moe_ckpt.data.corpus import BYTE_VOCAB_SIZE
 from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
@@ -249,6 +250,9 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
                 f"data={data.name} does not use it")
     require(data.name in DATA_SOURCES,
             f"{fmt('data.name', data.name)} is unknown; choose one of {', '.join(DATA_SOURCES)}")
+    require(model.vocab_size >= BYTE_VOCAB_SIZE,  # both sources are byte-level
+            f"model.vocab_size={model.vocab_size} is smaller than data={data.name}'s "
+            f"vocabulary of {BYTE_VOCAB_SIZE} byte values")
     require(0 < data.seq_len <= model.max_seq_len,
             f"data.seq_len={data.seq_len} must be in [1, model.max_seq_len={model.max_seq_len}]")
     parallel = _section(cfg, "parallel")
