@@ -89,6 +89,11 @@ def test_unknown_preset_names_group_and_value() -> None:
     (["api=fabric", "+ckpt_path=a.ckpt"], r"ckpt_path='a\.ckpt' resumes .* api=trainer"),
     (["model.vocab_size=10"], r"model\.vocab_size=10 is smaller than data=stdlib's "
                               r"vocabulary of 256"),
+    (["api=fabric", "checkpoint=lightning", "checkpoint.max_overhead=7"],
+     r"checkpoint\.max_overhead=7 must be a number in \(0, 1\)"),
+    (["api=fabric", "checkpoint=dcp", "checkpoint.interval=oracle", "checkpoint.mtbf_steps=-1"],
+     r"checkpoint\.mtbf_steps=-1 must be a number > 0"),
+    (["api=fabric", "checkpoint=dcp", "checkpoint.interval=0"], r"checkpoint\.interval=0"),
     (["hardware.accelerator=tpu"], r"hardware\.accelerator='tpu' must be one of cpu, cuda"),
     (["hardware.backend=foo"], r"hardware\.backend='foo' must be one of gloo, nccl"),
     (["hardware.nodes=0"], r"hardware\.nodes=0 must be an integer >= 1"),

@@ -40,7 +40,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from typing_extensions import override
 
 from lightning_moe_ckpt.checkpoint.planners_dense import checkfreq_interval, oracle_interval
-from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
 from lightning_moe_ckpt.training.engine import TrainingEngine
 
 PEER_POLICIES = ("lightning", "dcp")
@@ -70,6 +70,20 @@ class _Save:
     done: Callable[[], bool]
 
 
+def check_peer_options(*, interval: Any = "cap", max_overhead: Any = 0.03,
+                       mtbf_steps: Any = None) -> None:
+    """Refuse ``checkpoint.<option>`` values of the peer policies, naming key and value."""
+    integer = isinstance(interval, int) and not isinstance(interval, bool)
+    require((integer and interval >= 1) or interval in ("cap", "oracle"),
+            f"{fmt('checkpoint.interval', interval)} must be an integer >= 1, 'cap' or "
+            "'oracle'")
+    require(is_number(max_overhead) and 0 < max_overhead < 1,
+            f"{fmt('checkpoint.max_overhead', max_overhead)} must be a number in (0, 1)")
+    require(mtbf_steps is None or (is_number(mtbf_steps) and mtbf_steps > 0),
+            f"{fmt('checkpoint.mtbf_steps', mtbf_steps)} must be a number > 0 (or null: "
+            "faults.mtbf_steps)")
+
+
 class PeerCheckpointing:
     """Periodic asynchronous checkpoints of one rank's engine and a user's restart."""
 
@@ -79,10 +93,7 @@ class PeerCheckpointing:
                  mtbf_steps: float | None = None) -> None:
         if policy not in PEER_POLICIES:
             raise ConfigError(f"checkpoint={policy} is not a peer policy")
-        if not (isinstance(interval, int) and interval >= 1) and interval not in ("cap",
-                                                                               "oracle"):
-            raise ConfigError(f"checkpoint.interval={interval!r} must be an integer >= 1, "
-                              "'cap' or 'oracle'")
+        check_peer_options(interval=interval, max_overhead=max_overhead, mtbf_steps=mtbf_steps)
         if interval == "oracle" and mtbf_steps is None:
             raise ConfigError("checkpoint.interval=oracle needs checkpoint.mtbf_steps (or "
                               "faults=mtbf)")

@@ -318,9 +318,12 @@ def _check_policy_options(checkpoint: CheckpointSettings, model: MoEModelConfig)
     every rank once training is set up."""
     from lightning_moe_ckpt.checkpoint.planners import make_planner, planner_options
     from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec
-    from lightning_moe_ckpt.training.peers import PEER_POLICIES
+    from lightning_moe_ckpt.training.peers import PEER_POLICIES, check_peer_options
 
-    if checkpoint.policy == "none" or checkpoint.policy in PEER_POLICIES:
+    if checkpoint.policy in PEER_POLICIES:
+        check_peer_options(**checkpoint.options)
+        return
+    if checkpoint.policy == "none":
         return
     specs = [OperatorSpec("embed", 1, 1, 1.0), *(
         OperatorSpec(f"layers.{layer}.moe.experts.{expert}", 1, 1, 0.0)
