@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_moe_ckpt.errors import ConfigError, fmt, require
+from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
 
 MODEL_FAMILIES = ("builtin", "hf_qwen3_moe")
 
@@ -52,21 +52,27 @@ class MoEModelConfig:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k",
                     "expert_hidden", "max_seq_len"):
             value = getattr(self, key)
-            require(isinstance(value, int) and value > 0,
+            require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
                     f"{fmt('model.' + key, value)} must be a positive integer")
-        require(self.n_shared_experts >= 0,
-                f"{fmt('model.n_shared_experts', self.n_shared_experts)} must be >= 0")
+        require(isinstance(self.n_shared_experts, int)
+                and not isinstance(self.n_shared_experts, bool) and self.n_shared_experts >= 0,
+                f"{fmt('model.n_shared_experts', self.n_shared_experts)} must be an integer "
+                ">= 0")
+        for key in ("norm_eps", "init_std"):  # a negative one trains on (NaN loss, exit 0)
+            value = getattr(self, key)
+            require(is_number(value) and value > 0,
+                    f"{fmt('model.' + key, value)} must be a number > 0")
         require(self.top_k <= self.n_experts,
                 f"model.top_k={self.top_k} must be <= model.n_experts={self.n_experts}")
         require(self.d_model % self.n_heads == 0,
                 f"model.d_model={self.d_model} must be divisible by "
                 f"model.n_heads={self.n_heads}")
         if self.capacity_factor is not None:
-            require(self.capacity_factor > 0,
+            require(is_number(self.capacity_factor) and self.capacity_factor > 0,
                     f"{fmt('model.capacity_factor', self.capacity_factor)} must be > 0 "
                     "(or null for no capacity limit)")
-        require(self.aux_loss_coef >= 0,
-                f"{fmt('model.aux_loss_coef', self.aux_loss_coef)} must be >= 0")
+        require(is_number(self.aux_loss_coef) and self.aux_loss_coef >= 0,
+                f"{fmt('model.aux_loss_coef', self.aux_loss_coef)} must be a number >= 0")
 
     @property
     def head_dim(self) -> int:
