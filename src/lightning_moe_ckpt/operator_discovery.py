@@ -93,7 +93,15 @@ def _override_of(override: OperatorOverride | None) -> Callable[[str, nn.Paramet
             return None
         return by_pattern
     if callable(override):
-        return override
+        user = override
+
+        def checked(name: str, param: nn.Parameter) -> str | None:
+            chosen = user(name, param)
+            if chosen is not None and (not isinstance(chosen, str) or not chosen):
+                raise ConfigError(f"the operators callable returned {chosen!r} for {name!r}; "
+                                  "it must return an operator name (a string) or None")
+            return chosen
+        return checked
     raise ConfigError(f"operators={override!r} must be a mapping of parameter-name patterns "
                       "to operator names or a callable (name, param) -> operator name")
 

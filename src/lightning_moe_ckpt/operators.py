@@ -299,6 +299,9 @@ class OperatorRegistry:
 
     def set_frozen(self, names: Iterable[str], frozen: bool = True) -> None:
         """Freeze (or activate) the named operators."""
+        if isinstance(names, str):  # would be read letter by letter
+            raise TypeError(f"set_frozen takes operator names, not the one string {names!r}; "
+                            f"pass [{names!r}]")
         touched: dict[int, nn.Parameter] = {}
         for name in names:
             for piece in self[name].pieces:

@@ -440,6 +440,43 @@ class _TwoOptimizers(LMModule):
                 torch.optim.SGD(self.model.parameters(), lr=self.lr)]
 
 
+def test_a_failure_injector_without_its_checkpointing_callback_is_refused() -> None:
+    from lightning_moe_ckpt.callbacks import FailureInjector
+    from lightning_moe_ckpt.recovery import AtSchedule
+
+    module = LMModule(modulelist_moe(0))
+    orphan = SparseCheckpointing("moevement", window=3)
+    injector = FailureInjector(AtSchedule([{"step": 1, "rank": 0}]), orphan)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[injector])
+    with pytest.raises(ConfigError, match="SparseCheckpointing is not among the Trainer's"):
+        trainer.fit(module, random_token_loader(n_batches=4))
+    assert module.losses == []
+    with pytest.raises(TypeError, match="not 'moevement'"):
+        FailureInjector(AtSchedule([]), "moevement")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("options", "needle"), [
+    ({"replicas": "2"}, r"checkpoint\.replicas='2' must be an integer >= 0"),
+    ({"warmup_iterations": 0}, r"checkpoint\.warmup_iterations=0 must be an integer >= 1"),
+    ({"upstream_logging": "no"}, r"checkpoint\.upstream_logging='no' must be True or False"),
+    ({"top_k": None, "n_experts": 4}, r"unknown option\(s\) checkpoint\.n_experts"),
+])
+def test_bad_callback_arguments_name_the_setting(options: dict[str, object],
+                                                 needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        SparseCheckpointing("moevement", **options)  # type: ignore[arg-type]
+
+
+def test_an_override_callable_must_return_a_name_and_set_frozen_a_list() -> None:
+    with pytest.raises(ConfigError, match=r"operators callable returned 5 for 'tok_emb\.weight'"):
+        OperatorRegistry(modulelist_moe(0), override=lambda name, param: 5)  # type: ignore[arg-type,return-value]
+    registry = OperatorRegistry(modulelist_moe(0))
+    with pytest.raises(TypeError, match="not the one string 'embed'"):
+        registry.set_frozen("embed")
+
+
 def test_several_optimizers_are_refused_at_fit_start() -> None:
     module = _TwoOptimizers(modulelist_moe(0), manual=True)
     with pytest.raises(ConfigError, match="one optimizer; configure_optimizers returned 2"):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
+from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.recovery.baselines import is_baseline
 from lightning_moe_ckpt.recovery.entry import DurableFallback, RecoveryRequest, recover
 from lightning_moe_ckpt.recovery.faults import (
@@ -69,6 +70,9 @@ class FailureInjector(L.Callback, StepHooks):
     """Injects the failures of ``schedule`` and recovers through ``checkpointing``."""
 
     def __init__(self, schedule: FaultSchedule, checkpointing: SparseCheckpointing) -> None:
+        if not isinstance(checkpointing, SparseCheckpointing):
+            raise TypeError("FailureInjector recovers through the SparseCheckpointing callback "
+                            f"it is given, not {checkpointing!r}")
         self.schedule = schedule
         self.checkpointing = checkpointing
         self.counter = FailureCounter()
@@ -251,6 +255,10 @@ class FailureInjector(L.Callback, StepHooks):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.trainer = trainer
+        # Trainer.callbacks is set by Lightning's callback connector (untyped there).
+        if self.checkpointing not in trainer.callbacks:  # type: ignore[attr-defined]
+            raise ConfigError("FailureInjector's SparseCheckpointing is not among the Trainer's "
+                              "callbacks: add it too (callbacks=[checkpointing, injector])")
         if self.checkpointing.target is None:  # callbacks listed in the other order
             self.checkpointing.on_train_start(trainer, pl_module)
         assert self.checkpointing.target is not None

@@ -148,9 +148,12 @@ class SparseCheckpointing(L.Callback, StepHooks):
         require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)}"
                              f" for checkpoint={policy}; it accepts "
                              f"{', '.join(sorted(known)) or 'no options'}")
-        require(replicas >= 0, f"{fmt('checkpoint.replicas', replicas)} must be >= 0")
-        require(warmup_iterations >= 1,
-                f"{fmt('checkpoint.warmup_iterations', warmup_iterations)} must be >= 1")
+        for key, value, least in (("replicas", replicas, 0),
+                                  ("warmup_iterations", warmup_iterations, 1)):
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= least,
+                    f"{fmt(f'checkpoint.{key}', value)} must be an integer >= {least}")
+        require(isinstance(upstream_logging, bool),
+                f"{fmt('checkpoint.upstream_logging', upstream_logging)} must be True or False")
         require(durable_every is None or (isinstance(durable_every, int) and durable_every >= 1),
                 f"{fmt('checkpoint.durable_every', durable_every)} must be an integer >= 1 "
                 "(or null: no durable checkpoints)")
