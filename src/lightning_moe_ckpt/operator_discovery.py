@@ -37,6 +37,7 @@ is an error naming it.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable, Mapping
 
 from torch import nn
@@ -204,6 +205,14 @@ def discover_operators(model: nn.Module,
     grouped: dict[str, tuple[OperatorKind, int | None, int | None, list[Piece]]] = {}
     for operator, kind, layer, expert, piece in assignments:
         grouped.setdefault(operator, (kind, layer, expert, []))[3].append(piece)
+    kinds = {kind for kind, _, _, _ in grouped.values()}
+    if "gate" in kinds and "expert" not in kinds:
+        warnings.warn(
+            "found routers but no experts: the expert weights sit under a name the discovery "
+            "rules do not know (a ModuleList or fused module named 'experts'), so they are "
+            "checkpointed whole with the rest of their block, not one expert at a time; "
+            "name them with SparseCheckpointing(..., operators=...)", UserWarning,
+            stacklevel=3)
     buffers = _assign_buffers(model, container, assignments, claim, set(grouped))
     return [Operator(name, kind, layer, expert, tuple(pieces), tuple(buffers.get(name, ())))
             for name, (kind, layer, expert, pieces) in grouped.items()]

@@ -232,3 +232,15 @@ def test_a_buffer_no_operator_can_hold_is_an_error_naming_it() -> None:
     assert [b.name for b in registry["head"].buffers] == ["loose"]
     with pytest.raises(ValueError, match="assigns buffer 'loose' to 'nowhere'"):
         OperatorRegistry(model, override={"loose": "nowhere"})
+
+
+def test_routers_without_discoverable_experts_warn() -> None:
+    from tests.anymodel.models import modulelist_moe
+
+    model = modulelist_moe(0)
+    for block in model.blocks:  # type: ignore[union-attr]
+        block.moe.ffns = block.moe.experts  # a container name the rules do not know
+        del block.moe.experts
+    with pytest.warns(UserWarning, match="found routers but no experts"):
+        registry = OperatorRegistry(model)
+    assert not any(op.kind == "expert" for op in registry)
