@@ -235,6 +235,23 @@ def modulelist_moe(seed: int = 0) -> nn.Module:
     return ModuleListLM()
 
 
+class DropoutLM(ModuleListLM):
+    """:class:`ModuleListLM` with dropout after the embedding: training draws from the
+    global RNG, so only a resume from the same RNG state repeats it."""
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        x = F.dropout(self.tok_emb(input_ids), p=0.1, training=self.training)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_out(self.final_norm(x))
+
+
+def dropout_moe(seed: int = 0) -> nn.Module:
+    """A freshly initialised :class:`DropoutLM`."""
+    torch.manual_seed(seed)
+    return DropoutLM()
+
+
 def bias_balanced_moe(seed: int = 0) -> nn.Module:
     """:class:`ModuleListLM` with :class:`BiasBalancedMoE` layers (state in buffers)."""
     torch.manual_seed(seed)

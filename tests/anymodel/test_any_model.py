@@ -10,17 +10,25 @@ operators snapshot by snapshot.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import lightning as L
 import pytest
 import torch
 
+from lightning_moe_ckpt.callbacks import SparseCheckpointing
 from lightning_moe_ckpt.operators import expert_position
+from lightning_moe_ckpt.recovery.durable import RNG_KEY
 from tests.anymodel.harness import FAIL_AT, WINDOW, Run, assert_bitwise, fit
 from tests.anymodel.models import (
     BUILDERS,
+    LMModule,
     bias_balanced_moe,
+    dropout_moe,
     grouped_experts_moe,
     mixtral,
     qwen3_moe,
+    random_token_loader,
 )
 
 
@@ -145,3 +153,28 @@ def test_snapshot_bytes_are_measured_from_the_optimizer() -> None:
     steps = len(run.params) + (8 - 1) * len(fused)
     assert run.metrics["dense_state_bytes"] == params * (4 + 4 + 8) + 4 * steps
     assert torch.tensor(run.metrics["snapshot_bytes_per_iter"]) > 0
+
+
+def _dropout_fit(steps: int, durable_dir: Path, ckpt_path: str | None = None
+                 ) -> tuple[dict[str, torch.Tensor], SparseCheckpointing]:
+    torch.manual_seed(1)  # the RNG dropout draws from, as a user's script seeds it
+    module = LMModule(dropout_moe(seed=0))
+    checkpointing = SparseCheckpointing("moevement", window=3, top_k=2, durable_every=1,
+                                        durable_dir=str(durable_dir), durable_keep=10)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[checkpointing])
+    trainer.fit(module, random_token_loader(n_batches=4), ckpt_path=ckpt_path)
+    return {n: p.detach().clone() for n, p in module.named_parameters()}, checkpointing
+
+
+def test_a_durable_checkpoint_resumes_a_dropout_model_bitwise(tmp_path: Path) -> None:
+    """The durable checkpoint carries the RNG: a plain ckpt_path resume at an epoch
+    boundary (4 batches an epoch) draws the same dropout masks as the run it came from."""
+    reference, checkpointing = _dropout_fit(10, tmp_path / "a")
+    boundary = next(p for p in checkpointing.durable_saved if p.endswith("step=4.ckpt"))
+    assert RNG_KEY in torch.load(boundary, weights_only=False)
+    torch.manual_seed(12345)  # whatever the RNG holds before the resume
+    resumed, _ = _dropout_fit(10, tmp_path / "b", ckpt_path=boundary)
+    for name, value in reference.items():
+        assert torch.equal(value, resumed[name]), name

@@ -47,8 +47,10 @@ from lightning_moe_ckpt.checkpoint.planners import (
 )
 from lightning_moe_ckpt.checkpoint.profiler import IterationProfiler, measure_bandwidth
 from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
+from lightning_moe_ckpt.checkpoint.snapshot import restore_rng, rng_state
 from lightning_moe_ckpt.errors import fmt, require
 from lightning_moe_ckpt.operators import OperatorOverride
+from lightning_moe_ckpt.recovery.durable import RNG_KEY
 from lightning_moe_ckpt.recovery.real_failures import PeerFailureHandler
 from lightning_moe_ckpt.recovery.rendezvous import JobStore
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
@@ -422,6 +424,17 @@ class SparseCheckpointing(L.Callback, StepHooks):
         if self.peer_failures is not None:  # the supervisor no longer watches this rank
             self.peer_failures.job.training_finished()
             self.peer_failures.job.stop_heartbeat()
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        checkpoint[RNG_KEY] = rng_state()  # the RNG the next step starts from
+
+    @override
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if RNG_KEY in checkpoint:  # a plain ckpt_path resume continues with the same draws
+            restore_rng(checkpoint[RNG_KEY])
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -4,7 +4,8 @@ When no checkpoint window is usable (every replica of some piece lost or corrupt
 rank failed at once, so no host memory survived), recovery falls back to the newest
 durable checkpoint that every rank wrote before the failure (``checkpoint.durable_every``,
 written through the Trainer's checkpoint IO by :class:`SparseCheckpointing`): every rank
-loads its file (model, master weights and optimizer state, LR schedule, step) and replays,
+loads its file (model, master weights and optimizer state, LR schedule, step, RNG) and
+replays,
 all operators active, up to the failed iteration. Without one, the run stops with
 :class:`NoUsableCheckpointError` saying what was missing; it never continues from an
 inconsistent state.
@@ -20,8 +21,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_moe_ckpt.checkpoint.snapshot import restore_rng
 from lightning_moe_ckpt.recovery.replay import RecoveryReport
 from lightning_moe_ckpt.targets.base import TrainingTarget
+
+# Key of the RNG states in a durable checkpoint: Lightning's own checkpoint has none, and
+# a model with dropout replays (or resumes) exactly only from the RNG of its step.
+RNG_KEY = "lightning_moe_ckpt/rng"
 
 
 class NoUsableCheckpointError(RuntimeError):
@@ -66,6 +72,8 @@ def recover_from_durable(trainer: Any, engine: TrainingTarget, saved: Sequence[s
     if teardown is not None:  # asynchronous writes finish first
         teardown()
     checkpoint = strategy.load_checkpoint(path)
+    if RNG_KEY in checkpoint:
+        restore_rng(checkpoint[RNG_KEY])
     strategy.load_model_state_dict(checkpoint)
     strategy.load_optimizer_state_dict(checkpoint)
     for config, state in zip(trainer.lr_scheduler_configs, checkpoint["lr_schedulers"],
