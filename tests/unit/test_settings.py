@@ -86,6 +86,7 @@ def test_unknown_preset_names_group_and_value() -> None:
     (["+data.path=/tmp/corpus.txt"], r"data\.path='/tmp/corpus\.txt' is a setting of "
                                      r"data=textfile; data=stdlib does not use it"),
     (["data=textfile", "+data.val_percent=3"], r"data\.val_percent=3 is a setting of"),
+    (["data.name=foo"], r"data\.name='foo' is unknown"),
     (["api=fabric", "+ckpt_path=a.ckpt"], r"ckpt_path='a\.ckpt' resumes .* api=trainer"),
     (["model.vocab_size=10"], r"model\.vocab_size=10 is smaller than data=stdlib's "
                               r"vocabulary of 256"),

@@ -243,13 +243,13 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
     model = MoEModelConfig.from_mapping(_section(cfg, "model"))
     data_values = _section(cfg, "data")
     data = _pick(data_values, "data", DataSettings)
-    for key, source in (("path", "textfile"), ("val_fraction", "textfile"),
-                        ("val_percent", "stdlib")):  # the other source's keys: ignored there
-        require(key not in data_values or data.name == source,
-                f"{fmt(f'data.{key}', data_values.get(key))} is a setting of data={source}; "
-                f"data={data.name} does not use it")
     require(data.name in DATA_SOURCES,
             f"{fmt('data.name', data.name)} is unknown; choose one of {', '.join(DATA_SOURCES)}")
+    for key, source in (("path", "textfile"), ("val_fraction", "textfile"),
+                        ("val_percent", "stdlib")):  # the other source's keys: ignored there
+        require(data_values.get(key) is None or data.name == source,
+                f"{fmt(f'data.{key}', data_values.get(key))} is a setting of data={source}; "
+                f"data={data.name} does not use it")
     require(model.vocab_size >= BYTE_VOCAB_SIZE,  # both sources are byte-level
             f"model.vocab_size={model.vocab_size} is smaller than data={data.name}'s "
             f"vocabulary of {BYTE_VOCAB_SIZE} byte values")
