@@ -89,6 +89,7 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     from lightning_moe_ckpt.training.peers import PEER_OPTIONS, PEER_POLICIES
 
     values = dict(values)
+    given = dict(values)  # what the config said, before defaults fill in
     policy = str(values.pop("policy", "none"))
     # Names checkpoint=<policy> when unknown.
     known = PEER_OPTIONS if policy in PEER_POLICIES else setting_options(policy)
@@ -109,8 +110,9 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     require(isinstance(warmup, int) and warmup >= 1,
             f"{fmt('checkpoint.warmup_iterations', warmup)} must be an integer >= 1")
     if policy == "none" or policy in PEER_POLICIES:  # settings these would ignore
-        require(replicas == 0, f"{fmt('checkpoint.replicas', replicas)} has no effect with "
-                               f"checkpoint={policy}, which keeps no replicas; leave it at 0")
+        require(given.get("replicas", 0) == 0,
+                f"{fmt('checkpoint.replicas', replicas)} has no effect with "
+                f"checkpoint={policy}, which keeps no replicas; leave it at 0")
         require(durable_every is None,
                 f"{fmt('checkpoint.durable_every', durable_every)} has no effect with "
                 f"checkpoint={policy}; durable checkpoints come with the sparse and dense "
