@@ -214,8 +214,10 @@ class ModuleListLM(nn.Module):
         n_experts: int = N_EXPERTS,
         top_k: int = TOP_K,
         moe: type[ModuleListMoE] = ModuleListMoE,
+        embed_dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        self.embed_dropout = embed_dropout
         self.tok_emb = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(MixBlock(dim, ff, n_experts, top_k, moe)
                                     for _ in range(n_layers))
@@ -224,6 +226,8 @@ class ModuleListLM(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         x = self.tok_emb(input_ids)
+        if self.embed_dropout:  # only then does training draw from the global RNG
+            x = F.dropout(x, p=self.embed_dropout, training=self.training)
         for block in self.blocks:
             x = block(x)
         return self.lm_out(self.final_norm(x))
@@ -235,21 +239,11 @@ def modulelist_moe(seed: int = 0) -> nn.Module:
     return ModuleListLM()
 
 
-class DropoutLM(ModuleListLM):
+def dropout_moe(seed: int = 0) -> nn.Module:
     """:class:`ModuleListLM` with dropout after the embedding: training draws from the
     global RNG, so only a resume from the same RNG state repeats it."""
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        x = F.dropout(self.tok_emb(input_ids), p=0.1, training=self.training)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_out(self.final_norm(x))
-
-
-def dropout_moe(seed: int = 0) -> nn.Module:
-    """A freshly initialised :class:`DropoutLM`."""
     torch.manual_seed(seed)
-    return DropoutLM()
+    return ModuleListLM(embed_dropout=0.1)
 
 
 def bias_balanced_moe(seed: int = 0) -> nn.Module:
