@@ -130,3 +130,75 @@ def recovery_error(settings: RunSettings, window: int, events: list[dict[str, An
     except NoUsableCheckpointError as error:
         return f"{error} (cause: {error.__cause__})"
     raise AssertionError("recovery succeeded although no checkpoint was usable")
+
+
+def ahead_run(settings: RunSettings, window: int, step: int, failed: tuple[int, ...],
+              ahead: tuple[int, ...], fold_ahead_into_failed: bool) -> dict[str, Any]:
+    """Train with a real failure seen late: before ``step`` the ``failed`` ranks lose their
+    state and the ``ahead`` ranks' live state runs past the others' (their parameters
+    move, as iteration ``step``'s update would move them), then everyone calls
+    :func:`recover` as the real-failure handler does. ``fold_ahead_into_failed`` makes
+    the request treat the ahead ranks as failed (their host memory dropped), the way a
+    survivor ahead used to be recovered. Returns rank 0's consolidated state and losses,
+    and every rank's rolled-back ranks and paused calls."""
+    from lightning_moe_ckpt.recovery.entry import RecoveryRequest, recover
+    from lightning_moe_ckpt.recovery.faults import destroy_rank_state
+
+    plan = settings.layout
+    mesh = init_device_mesh("cpu", (plan.pp, plan.dp, plan.ep), mesh_dim_names=("pp", "dp", "ep"))
+    coords = Coordinates(*mesh.get_coordinate())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checkpointing = SparseCheckpointing("moevement", replicas=1, window=window)
+    log = checkpointing.upstream_log
+    assert log is not None
+    engine = build_parallel_engine(settings, mesh, torch.device("cpu"), [log])
+    sampler = build_data(settings).train
+    shard = coords.dp * plan.ep + coords.ep
+    coordinator = checkpointing.attach(engine, rank=rank, world_size=world)
+    engine.batch = lambda t: sampler.iteration(t, shard)
+    losses: list[float] = []
+    facts: dict[str, Any] = {}
+    try:
+        for t in range(settings.max_steps):
+            if t == step:
+                coordinator.snapshots.wait_copies()
+                if rank in failed:
+                    destroy_rank_state(engine.model, engine.optimizer, [log.drop])
+                elif rank in ahead:
+                    with torch.no_grad():
+                        for parameter in engine.model.parameters():
+                            parameter.add_(0.5)
+                request = RecoveryRequest(t, tuple(sorted({*failed, *ahead})))
+                if not fold_ahead_into_failed:
+                    request = RecoveryRequest(t, failed, ahead_ranks=ahead)
+                calls = engine.forward_backward_calls
+                outcome = recover(request, coordinator, log)
+                facts = {"rolled_back": outcome.rolled_back,
+                         "paused": outcome.report is None,
+                         "calls": engine.forward_backward_calls - calls}
+            losses.append(float(engine.train_iteration(*sampler.iteration(t, shard)).loss))
+    finally:
+        checkpointing.close()
+    state = gather_consolidated_state(engine, coords, settings.max_steps)
+    everything: list[Any] = [None] * world
+    dist.all_gather_object(everything, facts)
+    return {"state": state, "losses": losses, "ranks": everything}
+
+
+def ahead_scenarios(settings: RunSettings, window: int, step: int, failed: tuple[int, ...],
+                    ahead: tuple[int, ...]) -> dict[str, Any]:
+    """The fault-free run, :func:`ahead_run` recovering the ahead ranks from their own
+    host memory, then with it dropped (which must fail); rank 0's comparison."""
+    from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
+
+    golden_state, golden_losses = distributed_run(settings)
+    run = ahead_run(settings, window, step, failed, ahead, fold_ahead_into_failed=False)
+    try:
+        ahead_run(settings, window, step, failed, ahead, fold_ahead_into_failed=True)
+        folded = "recovered"
+    except NoUsableCheckpointError as error:
+        folded = str(error.__cause__ or error)
+    return {"ranks": run["ranks"], "folded": folded,
+            "state_mismatches": None if golden_state is None
+            else state_mismatches(golden_state, run["state"]),
+            "losses_after": run["losses"][step:], "golden_after": golden_losses[step:]}

@@ -12,6 +12,10 @@ logging (gloo, 4 processes, pp=4): the result is bitwise the fault-free run's ev
 
 Ranks outside every scope run no forward/backward during recovery (counted); with logging
 off all of them do.
+
+A real failure seen late can leave a survivor one iteration *ahead* of the others: it
+rolls back with its stage, but from its own host memory, so a window the failed rank's
+replica on it holds stays usable.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.distributed.harness import run_distributed
-from tests.distributed.recovery_workloads import scenario_matrix
+from tests.distributed.recovery_workloads import ahead_scenarios, scenario_matrix
 from tests.distributed.workloads import make_settings
 
 pytestmark = pytest.mark.distributed
@@ -70,3 +74,24 @@ def test_multiple_and_cascading_failures_are_bitwise() -> None:
         assert rounds == {scenario["rounds"]}, name
         assert result["state_mismatches"] == [], name
         assert result["losses_after"] == result["golden_after"], name
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 1), (4, 1, 1)], ids=["2x2x1", "4x1x1"])
+def test_a_survivor_ahead_rolls_back_from_its_own_host_memory(
+        layout: tuple[int, int, int]) -> None:
+    """Rank 3 fails at step 7 while stage 0's ranks already finished it. With one replica
+    (ring order: rank r's window lives on rank r + 1 mod 4 alone), treating rank 0 as
+    failed too drops the copy of rank 3's window it holds (and, with rank 1 ahead as well,
+    rank 0's own): nothing would recover, which is checked too."""
+    settings = make_settings(*layout, steps=STEPS)
+    ahead = (0, 1) if layout[0] == 2 else (0,)
+    result = run_distributed(4, ahead_scenarios, settings, WINDOW, 7, (3,), ahead)
+    assert "no usable checkpoint window" in result["folded"], result["folded"]
+    assert result["state_mismatches"] == []
+    assert result["losses_after"] == result["golden_after"]
+    scope = [0, 1, 2, 3] if layout[0] == 2 else [0, 3]  # pp=4: two scopes, stages 0 and 3
+    for rank, facts in enumerate(result["ranks"]):
+        assert facts["rolled_back"] == scope, rank
+        assert facts["paused"] == (rank not in scope), rank
+        if rank not in scope:
+            assert facts["calls"] == 0, rank

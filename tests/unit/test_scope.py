@@ -16,6 +16,9 @@ from lightning_moe_ckpt.recovery import (
     recovery_scopes,
     restarted,
 )
+from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
+from lightning_moe_ckpt.recovery.entry import RecoveryRequest
+from lightning_moe_ckpt.recovery.real_failures import agree_on_failure
 
 
 def _plan(pp: int, dp: int = 1, ep: int = 1, schedule: str = "1f1b") -> ParallelPlan:
@@ -147,3 +150,21 @@ def test_scopes_are_disjoint_cover_failures_and_are_closed(
     assert set(paused_ranks(scopes, world)) == set(range(world)) - set(covered)
     assert recovery_scopes(plan, failed, upstream_logging=False) == (
         [RecoveryScope(tuple(range(plan.pp)), tuple(range(world)))] if failed else [])
+
+
+def test_a_survivor_past_the_oldest_step_is_ahead_not_failed() -> None:
+    # rank 1 finished step 5 before it saw the failure; rank 3 is the empty replacement
+    views = [(5, [], []), (6, [], []), (5, [], []), (None, [], [])]
+    assert agree_on_failure(views) == (5, {3}, {1})
+    # a retry: everyone now says 5; what the first try knew is kept, and a rank the
+    # supervisor reports failed since then is failed, not ahead
+    retry = [(5, [3], [1]), (5, [3], [1]), (5, [3], [1]), (None, [], [])]
+    assert agree_on_failure(retry) == (5, {3}, {1})
+    assert agree_on_failure(retry, known_failed=[1]) == (5, {1, 3}, set())
+    with pytest.raises(NoUsableCheckpointError, match="every rank of the job failed"):
+        agree_on_failure([(None, [], []), (None, [], [])])
+
+
+def test_a_rank_cannot_be_failed_and_ahead() -> None:
+    with pytest.raises(ValueError, match=r"ranks \[1\] are both failed and ahead"):
+        RecoveryRequest(5, (1, 3), ahead_ranks=(1,))

@@ -40,11 +40,24 @@ from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 @dataclass(frozen=True)
 class RecoveryRequest:
     """Ranks ``failed_ranks`` failed during iteration ``failed_step``; a ``cascade``
-    strikes while the recovery runs."""
+    strikes while the recovery runs.
+
+    ``ahead_ranks`` are survivors that already finished ``failed_step`` (a real failure
+    seen late): their live state is newer than everyone else's, so they roll back with
+    the failed ranks, but their host memory (own snapshots, replicas held for peers) is
+    intact and serves the recovery like any survivor's.
+    """
 
     failed_step: int
     failed_ranks: tuple[int, ...]
     cascade: Cascade | None = None
+    ahead_ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        both = sorted(set(self.failed_ranks) & set(self.ahead_ranks))
+        if both:
+            raise ValueError(f"ranks {both} are both failed and ahead: a failed rank lost "
+                             "its host memory, an ahead one kept it")
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,7 @@ def recover(request: RecoveryRequest, coordinator: CheckpointSide,
 def _recover(request: RecoveryRequest, coordinator: CheckpointSide,
              log: UpstreamLog | None) -> RecoveryOutcome:
     step, failed, cascade = request.failed_step, list(request.failed_ranks), request.cascade
+    ahead = request.ahead_ranks
     world = coordinator.world_size
     plan = coordinator.target.layout
     everyone = list(range(world))
@@ -93,7 +107,7 @@ def _recover(request: RecoveryRequest, coordinator: CheckpointSide,
     if world == 1:  # one process: its host memory survives a device failure
         return RecoveryOutcome(recover_from_store(coordinator, step), everyone)
     if log is not None and plan.pp > 1 and plan.stages_per_rank == 1:
-        scopes = recovery_scopes(plan, failed, upstream_logging=True)
+        scopes = recovery_scopes(plan, [*failed, *ahead], upstream_logging=True)
         if cascade is not None:
             scopes = recovery_scopes(plan, cascade.ranks, upstream_logging=True,
                                      ongoing=scopes)
@@ -102,6 +116,7 @@ def _recover(request: RecoveryRequest, coordinator: CheckpointSide,
             return RecoveryOutcome(global_rollback(coordinator, step, failed, cascade),
                                    everyone)
         report = localized_rollback(coordinator, log, plan,
-                                    plan.coordinates(coordinator.rank), step, failed, cascade)
+                                    plan.coordinates(coordinator.rank), step, failed, cascade,
+                                    ahead)
         return RecoveryOutcome(report, rolled_back)
     return RecoveryOutcome(global_rollback(coordinator, step, failed, cascade), everyone)

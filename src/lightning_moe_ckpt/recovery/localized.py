@@ -64,9 +64,13 @@ def _neighbour_logs(log: UpstreamLog, plan: ParallelPlan, coords: Coordinates,
 def localized_rollback(coordinator: CheckpointSide, log: UpstreamLog, plan: ParallelPlan,
                        coords: Coordinates, failed_step: int,
                        failed_ranks: Iterable[int],
-                       cascade: Cascade | None = None) -> RecoveryReport | None:
+                       cascade: Cascade | None = None,
+                       ahead_ranks: Iterable[int] = ()) -> RecoveryReport | None:
     """Recover the failed ranks' stages from logs; returns the report on scope ranks and
     ``None`` on ranks that only paused.
+
+    ``ahead_ranks`` (survivors already past ``failed_step``) roll back with their stages
+    too, from their own host snapshots: only the failed ranks lost their host memory.
 
     With a ``cascade``, its ranks fail while the recovery is under way: scopes the new
     failures touch (adjacent stages, or inside the scope) stop, widen and restart from the
@@ -76,7 +80,7 @@ def localized_rollback(coordinator: CheckpointSide, log: UpstreamLog, plan: Para
         raise ValueError("localized rollback needs one stage per pipeline rank; "
                          "interleaved schedules recover by global rollback")
     failed = tuple(sorted(set(failed_ranks)))
-    scopes = recovery_scopes(plan, failed, upstream_logging=True)
+    scopes = recovery_scopes(plan, set(failed) | set(ahead_ranks), upstream_logging=True)
     target = coordinator.target
     calls_before = target.forward_backward_calls
     again: list[RecoveryScope] = []

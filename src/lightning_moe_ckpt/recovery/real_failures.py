@@ -10,8 +10,9 @@ its iteration, or a new generation in the supervisor's store at the start of an 
    replication groups over its live model, optimizer, host snapshots, held replicas and
    upstream logs (nothing of its state is lost, its process keeps running);
 3. agrees with everyone on the iteration to resume (the oldest step among survivors; a
-   survivor that got further counts as failed too, so it is rolled back) and enters the
-   one :func:`~lightning_moe_ckpt.recovery.entry.recover`, exactly as for an injected
+   survivor that got further is *ahead*: it rolls back with its stage, from its own host
+   snapshots, which it kept) and enters the one
+   :func:`~lightning_moe_ckpt.recovery.entry.recover`, exactly as for an injected
    failure: localized rollback of the failed stage when upstream logs exist.
 
 A replacement process (started by the supervisor with the failed rank's identity and an
@@ -24,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +129,8 @@ class PeerFailureHandler(StepHooks):
                                    else self.coordinator.paused_forward_backward)
             self.recoveries.append({
                 "generation": self.job.generation, "failed_step": attempt.step,
-                "failed_ranks": sorted(attempt.failed), "replacement": replacing,
+                "failed_ranks": sorted(attempt.failed), "ahead_ranks": sorted(attempt.ahead),
+                "replacement": replacing,
                 "attempts": attempt.rounds, "ranks_rolled_back": outcome.rolled_back,
                 "iterations_replayed": None if report is None else report.replayed,
                 "paused_forward_backward": {str(rank): calls for rank, calls
@@ -145,28 +147,50 @@ class PeerFailureHandler(StepHooks):
         self.warm_up()  # in the order a fresh process reaches it: after all groups
         reformed = time.perf_counter()
         # Everyone says which iteration it recovers (None: a replacement, empty) and which
-        # ranks it already knows failed, so a retry keeps every earlier failure in scope.
+        # ranks it already knows failed or ahead, so a retry keeps them all in scope.
         views: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(views, (attempt.step, sorted(attempt.failed)))
-        steps = [step for step, _ in views]
-        if all(step is None for step in steps):
-            raise NoUsableCheckpointError(
-                "every rank of the job failed at once: no survivor holds live state, host "
-                "snapshots or replicas to recover from (a durable checkpoint, "
-                "checkpoint.durable_every with api=trainer, survives this)")
-        failed_step = min(step for step in steps if step is not None)
-        # A survivor past the others holds a state nobody else can match: roll it back.
-        attempt.failed |= {rank for rank, step in enumerate(steps)
-                           if step is None or step != failed_step}
-        attempt.failed |= {rank for _, known in views for rank in known}
-        attempt.failed |= set(self.job.failed_ranks(self.job.generation))
-        attempt.step = failed_step
+        dist.all_gather_object(views, (attempt.step, sorted(attempt.failed),
+                                       sorted(attempt.ahead)))
+        failed_step, failed, ahead = agree_on_failure(
+            views, self.job.failed_ranks(self.job.generation))
+        attempt.step, attempt.failed, attempt.ahead = failed_step, failed, ahead
         if self.target.step != failed_step:
             self.target.set_step(failed_step)
         self.recovery_started(failed_step)
-        outcome = recover(RecoveryRequest(failed_step, tuple(sorted(attempt.failed))),
+        outcome = recover(RecoveryRequest(failed_step, tuple(sorted(failed)),
+                                          ahead_ranks=tuple(sorted(ahead))),
                           self.coordinator, self.upstream_log, self.durable)
         return outcome, reformed
+
+
+View = tuple[int | None, Sequence[int], Sequence[int]]
+
+
+def agree_on_failure(views: Sequence[View],
+                     known_failed: Iterable[int] = ()) -> tuple[int, set[int], set[int]]:
+    """The iteration to recover and who failed or ran ahead, from every rank's view.
+
+    A rank's view is (the step it stopped in, or ``None`` for a replacement with empty
+    state; the ranks it knows failed; the ranks it knows ran ahead) from earlier tries of
+    this recovery. The oldest step among the survivors is recovered. A survivor past it
+    is *ahead*: its live state is newer than its peers', so it rolls back, but its host
+    memory is intact and serves the recovery. A rank failed once stays failed; one ahead
+    once stays ahead, since an interrupted try may have left its state half replayed.
+    """
+    steps = [step for step, _, _ in views]
+    if all(step is None for step in steps):
+        raise NoUsableCheckpointError(
+            "every rank of the job failed at once: no survivor holds live state, host "
+            "snapshots or replicas to recover from (a durable checkpoint, "
+            "checkpoint.durable_every with api=trainer, survives this)")
+    failed_step = min(step for step in steps if step is not None)
+    failed = {rank for rank, step in enumerate(steps) if step is None}
+    failed |= {rank for _, known, _ in views for rank in known}
+    failed |= set(known_failed)
+    ahead = {rank for rank, step in enumerate(steps)
+             if step is not None and step != failed_step}
+    ahead |= {rank for _, _, known in views for rank in known}
+    return failed_step, failed, ahead - failed
 
 
 @dataclass
@@ -177,3 +201,4 @@ class _Attempt:
     failed: set[int]  # every rank failed since the recovery began
     formed: bool  # the process groups of the current generation are formed already
     rounds: int = 1
+    ahead: set[int] = field(default_factory=set)  # survivors that were past the failed step
