@@ -73,6 +73,16 @@ class MoEModelConfig:
                     "(or null for no capacity limit)")
         require(is_number(self.aux_loss_coef) and self.aux_loss_coef >= 0,
                 f"{fmt('model.aux_loss_coef', self.aux_loss_coef)} must be a number >= 0")
+        if self.family == "hf_qwen3_moe":  # what the Hugging Face model cannot honour
+            for key, value, supported in (
+                    ("n_shared_experts", self.n_shared_experts, 0),
+                    ("capacity_factor", self.capacity_factor, None),
+                    ("aux_loss_coef", self.aux_loss_coef, 0)):
+                require(value == supported,
+                        f"{fmt('model.' + key, value)} is not supported with "
+                        f"model.family={self.family!r}: Qwen3-MoE has no shared experts, "
+                        "no expert capacity, and the recipe trains it on the language-model "
+                        f"loss alone; set it to {supported if supported is not None else 'null'}")
 
     @property
     def head_dim(self) -> int:

@@ -42,6 +42,7 @@ def build_hf_model(cfg: MoEModelConfig, seed: int) -> nn.Module:
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
         head_dim=cfg.head_dim, num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
         max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=False, use_cache=False,
+        rms_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std,
         # The reference kernels: deterministic on every backend.
         attn_implementation="eager", experts_implementation="eager")
     torch.manual_seed(seed)
