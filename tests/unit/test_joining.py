@@ -87,9 +87,9 @@ class _Splitting(UserModelParallelism):
 
 
 def _trainer(strategy: object = None, schedulers: tuple[Any, ...] = (),
-             batches: int | float = 6) -> Any:
+             batches: int | float = 6, automatic: bool = True) -> Any:
     return SimpleNamespace(strategy=strategy if strategy is not None else _Splitting(),
-                           lightning_module=SimpleNamespace(automatic_optimization=True),
+                           lightning_module=SimpleNamespace(automatic_optimization=automatic),
                            lr_scheduler_configs=list(schedulers), num_training_batches=batches)
 
 
@@ -107,6 +107,10 @@ def test_what_a_replacement_could_not_reproduce_is_refused_naming_it() -> None:
         check_replaceable(_trainer(batches=float("inf")))
     with pytest.raises(ConfigError, match="strategy=_Splitting"):
         check_replaceable(_trainer(_Splitting(replaces=False)))
+    check_replaceable(_trainer(automatic=False))  # manual optimization, no scheduler: fine
+    with pytest.raises(ConfigError, match=r"automatic_optimization=False with lr_scheduler "
+                                          r"object: .* one step behind"):
+        check_replaceable(_trainer(schedulers=(_scheduler(),), automatic=False))
 
 
 def test_a_recovery_timeout_other_than_the_supervisors_is_refused(

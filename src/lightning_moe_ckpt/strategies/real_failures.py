@@ -19,7 +19,9 @@ What a replacement cannot take from its peers it takes from the loop's determini
 :func:`check_replaceable` refuses at set-up what it could not reproduce: the train
 DataLoader must be sized and yield the same batches in a new process (the batches before
 the resumed iteration are read again: the replay takes its batches from them, the rest
-are dropped), and LR schedulers must step per batch (``interval="step"``).
+are dropped), and LR schedulers must step per batch (``interval="step"``) under automatic
+optimization (a manually stepped scheduler moves after the snapshot its optimizer step
+takes, so a replacement would replay it one step behind).
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ def check_replaceable(trainer: L.Trainer) -> None:
             "under the supervisor, a user's LightningModule is protected against real "
             "failures when TrainerMoEParallelStrategy splits it (a PipelineTrainable "
             f"module); this Trainer runs strategy={type(strategy).__name__}")
+    if not trainer.lightning_module.automatic_optimization and trainer.lr_scheduler_configs:
+        names = ", ".join(type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs)
+        raise ConfigError(
+            f"automatic_optimization=False with lr_scheduler {names}: the snapshot of an "
+            "iteration is taken at optimizer.step(), and a replacement process starts its "
+            "LR schedule from it, so a scheduler stepped after that inside training_step "
+            "would replay one step behind; under the supervisor use automatic optimization "
+            "(interval='step' schedulers), or set optimizer.param_groups' 'lr' yourself "
+            "before opt.step() and return no lr_scheduler")
     if trainer.lightning_module.automatic_optimization:
         for config in trainer.lr_scheduler_configs:
             if config.reduce_on_plateau or config.interval != "step":
