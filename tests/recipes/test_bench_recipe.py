@@ -16,6 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.sim import simulate
 from lightning_moe_ckpt.sim.profile import load_profile
 from tests.bounded import RUN_TIMEOUT_S, run_bounded
@@ -112,28 +113,39 @@ def _rejoin(parts: list[str]) -> list[str]:
     return joined
 
 
-def test_bench_refuses_bad_options_naming_them(tmp_path: Path) -> None:
-    done = run_bench(tmp_path, "--mtbf-steps", "0", timeout=120)
-    assert done.returncode != 0 and "--mtbf-steps=0.0 must be > 0" in done.stderr
+def _bench_module() -> Any:
+    """``recipes/bench.py`` imported in this process (its ``main`` reads ``sys.argv``)."""
+    spec = importlib.util.spec_from_file_location("bench", REPO / "recipes" / "bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_refuses_bad_options_naming_them(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The command line: a bad option exits non-zero with its message, nothing trained.
     done = run_bench(tmp_path, "--repeats", "0", timeout=120)
     assert done.returncode != 0 and "--repeats=0 must be >= 1" in done.stderr
-    done = run_bench(tmp_path, "--quick", "--mtbf-steps", "1000", timeout=120)
-    assert done.returncode != 0 and "puts no failure within --steps=24" in done.stderr
-    done = run_bench(tmp_path, "--quick", "moe:checkpoint.interval=3", timeout=120)
-    assert done.returncode != 0 and "names policy 'moe'" in done.stderr
-    done = run_bench(tmp_path, "--quick", "gemini:trainer.seed=3", timeout=120)
-    assert done.returncode != 0 and "may only set checkpoint.* options" in done.stderr
-    done = run_bench(tmp_path, "--quick", "--kind", "kill", timeout=120)
-    assert done.returncode != 0 and "--kind kill needs several worker processes" in done.stderr
+    # The rest in this process: every one is refused before any training starts.
+    bench = _bench_module()
+    for args, message in (
+            (["--mtbf-steps", "0"], "--mtbf-steps=0.0 must be > 0"),
+            (["--quick", "--mtbf-steps", "1000"], "puts no failure within --steps=24"),
+            (["--quick", "moe:checkpoint.interval=3"], "names policy 'moe'"),
+            (["--quick", "gemini:trainer.seed=3"], "may only set checkpoint.* options"),
+            (["--quick", "--kind", "kill"], "--kind kill needs several worker processes")):
+        monkeypatch.setattr(sys, "argv", ["bench.py", "--out", str(tmp_path / "x"), *args])
+        with pytest.raises(ConfigError) as refused:
+            bench.main()
+        assert message in str(refused.value), (args, str(refused.value))
+    assert not (tmp_path / "x").exists()
 
 
 def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
     """A slow repeat (the machine busy for minutes) moves both of its runs: the per-repeat
     ratio cancels it, the median over repeats drops an outlier."""
-    spec = importlib.util.spec_from_file_location("bench", REPO / "recipes" / "bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module()
 
     def repeat(none_ms: float, moevement_ms: float) -> dict[str, Any]:
         return {label: {"iteration_ms": {"median": ms}}
