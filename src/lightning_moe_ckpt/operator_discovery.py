@@ -107,6 +107,16 @@ def _override_of(override: OperatorOverride | None) -> Callable[[str, nn.Paramet
                       "to operator names or a callable (name, param) -> operator name")
 
 
+def unmatched_patterns(model: nn.Module, override: OperatorOverride | None) -> list[str]:
+    """The patterns of a mapping ``override`` that match no parameter name of ``model``
+    (a typo, or a part of the model another pipeline stage holds)."""
+    if not isinstance(override, Mapping):
+        return []
+    names = [name for name, _ in model.named_parameters()]
+    return [pattern for pattern in override
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names)]
+
+
 def _fused_experts(model: nn.Module, container: str | None) -> dict[str, tuple[int, int]]:
     """Fused expert parameters (owned directly by an ``experts`` module inside a block)
     with ``(experts held, global id of the first)``: dim 0, equal for every parameter of

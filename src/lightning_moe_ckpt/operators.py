@@ -265,10 +265,13 @@ class OperatorRegistry:
 
     def __init__(self, model: nn.Module, override: OperatorOverride | None = None,
                  freeze_by_restore: bool = False) -> None:
-        from lightning_moe_ckpt.operator_discovery import discover_operators
+        from lightning_moe_ckpt.operator_discovery import discover_operators, unmatched_patterns
 
         self.operators: dict[str, Operator] = {
             op.name: op for op in discover_operators(model, override)}
+        # Patterns of a mapping override that claim nothing here: an error on a whole model,
+        # legitimate on a pipeline stage (the checkpointing callback decides).
+        self.unmatched_patterns = unmatched_patterns(model, override)
         self.frozen_slices = FrozenSlices()
         # requires_grad of the parameters set_frozen froze, as the user had it: activating
         # them gives it back instead of making every parameter trainable.

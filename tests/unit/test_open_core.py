@@ -328,6 +328,21 @@ def test_override_claims_the_extra_parameter(override: object) -> None:
     assert "blocks.0.moe.experts.3" in registry  # the rules still apply to the rest
 
 
+def test_an_override_pattern_matching_nothing_is_refused_at_fit_start() -> None:
+    module = LMModule(_with_extra())
+    checkpointing = SparseCheckpointing("moevement", window=3,
+                                        operators={"model.extra": "my_extra", "blocks.*.mlp": "x"})
+    assert OperatorRegistry(module, checkpointing.operators).unmatched_patterns == [
+        "blocks.*.mlp"]
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[checkpointing])
+    with pytest.raises(ConfigError, match=r"operators pattern\(s\) 'blocks\.\*\.mlp' match no "
+                                          r"parameter of the model \(names look like 'model\."):
+        trainer.fit(module, random_token_loader(n_batches=4))
+    assert module.losses == []  # refused before any training step
+
+
 def test_override_to_an_expert_name_is_an_expert() -> None:
     registry = OperatorRegistry(_with_extra(), {"extra": "custom.0.experts.1"})
     op = registry["custom.0.experts.1"]

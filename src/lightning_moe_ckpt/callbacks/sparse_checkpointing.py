@@ -48,7 +48,7 @@ from lightning_moe_ckpt.checkpoint.planners import (
 from lightning_moe_ckpt.checkpoint.profiler import IterationProfiler, measure_bandwidth
 from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
 from lightning_moe_ckpt.checkpoint.snapshot import restore_rng, rng_state
-from lightning_moe_ckpt.errors import fmt, require
+from lightning_moe_ckpt.errors import ConfigError, fmt, require
 from lightning_moe_ckpt.operators import OperatorOverride
 from lightning_moe_ckpt.recovery.durable import RNG_KEY
 from lightning_moe_ckpt.recovery.real_failures import PeerFailureHandler
@@ -210,6 +210,12 @@ class SparseCheckpointing(L.Callback, StepHooks):
                           f"peer(s) of a world of {world_size}: each snapshot gets "
                           f"{world_size - 1} replica(s)", UserWarning, stacklevel=2)
         registry = target.registry
+        unmatched = registry.unmatched_patterns if target.layout.pp == 1 else []
+        if unmatched:  # the whole model is on every rank: a typo, not another stage's part
+            example = next(iter(registry)).pieces[0].param_name
+            raise ConfigError(f"operators pattern(s) {', '.join(map(repr, unmatched))} match "
+                              f"no parameter of the model (names look like {example!r}); "
+                              "fix or drop them")
         options = dict(self.options)
         accepted = planner_options(self.policy)
         n_layers, n_experts = target.layout.n_layers, target.layout.n_experts
