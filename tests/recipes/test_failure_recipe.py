@@ -4,6 +4,7 @@ rollback with replay) and ends bitwise equal to the fault-free run, through both
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,27 @@ COMMON = ("parallel.pp=2", "parallel.ep=2", "parallel.microbatches=4", "trainer.
           "checkpoint.window=3")
 
 
+@pytest.fixture(scope="module")
+def golden_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The fault-free run of each API, run once for the module (on first use)."""
+    runs: dict[str, Path] = {}
+
+    def golden(api: str) -> Path:
+        if api not in runs:
+            out = tmp_path_factory.mktemp(f"golden_{api}")
+            result = run_recipe(out, f"api={api}", *COMMON)
+            assert result.returncode == 0, result.stderr[-4000:]
+            runs[api] = out
+        return runs[api]
+    return golden
+
+
 @pytest.mark.parametrize(("api", "logging"), [("trainer", True), ("fabric", True),
                                               ("fabric", False)],
                          ids=["trainer-localized", "fabric-localized", "fabric-global"])
-def test_training_through_an_injected_failure_is_bitwise(tmp_path: Path, api: str,
-                                                         logging: bool) -> None:
-    golden = run_recipe(tmp_path / "golden", f"api={api}", *COMMON)
-    assert golden.returncode == 0, golden.stderr[-4000:]
+def test_training_through_an_injected_failure_is_bitwise(
+        tmp_path: Path, golden_runs: Callable[[str], Path], api: str, logging: bool) -> None:
+    golden = golden_runs(api)
     failed = run_recipe(tmp_path / "failed", f"api={api}", *COMMON, "faults=at",
                         "faults.events=[{step: 13, rank: 3}]",
                         f"checkpoint.upstream_logging={str(logging).lower()}")
@@ -45,10 +60,9 @@ def test_training_through_an_injected_failure_is_bitwise(tmp_path: Path, api: st
         assert 0 < metrics["upstream_log_bytes_peak"] <= (3 * 3 + 2) * per_iteration + 4096
     else:
         assert metrics["upstream_log_bytes_peak"] == 0
-    golden_losses = json.loads((tmp_path / "golden" / "metrics.json").read_text())["loss"]
+    golden_losses = json.loads((golden / "metrics.json").read_text())["loss"]
     assert metrics["loss"] == golden_losses
-    assert_states_equal(tmp_path / "golden" / "final_state.pt",
-                        tmp_path / "failed" / "final_state.pt")
+    assert_states_equal(golden / "final_state.pt", tmp_path / "failed" / "final_state.pt")
 
 
 def test_failure_of_every_rank_falls_back_to_the_durable_checkpoint(tmp_path: Path) -> None:
