@@ -548,6 +548,26 @@ def test_router_telemetry_plain_linear_router_needs_top_k() -> None:
     seeing.close()
 
 
+def test_router_telemetry_counts_in_float32_under_a_bf16_default_dtype() -> None:
+    """bf16-true sets the default dtype to bf16: the counters stay float32 (a torchtitan
+    router's top scores are scattered into them)."""
+    model = grouped_experts_moe(0)
+    telemetry = RouterTelemetry(model, OperatorRegistry(model), top_k=2)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.no_grad():
+            model(_ids(0))
+    finally:
+        torch.set_default_dtype(previous)
+    assert telemetry.observed
+    hard, soft = telemetry.take()
+    assert hard is not None and soft is not None
+    assert hard.dtype == soft.dtype == torch.float32
+    assert torch.equal(hard.sum(dim=1), torch.full((2,), float(_ids(0).numel() * 2)))
+    telemetry.close()
+
+
 # --------------------------------------------------------------------------------------------
 # 8. MasterWeightAdamW under automatic optimization
 # --------------------------------------------------------------------------------------------

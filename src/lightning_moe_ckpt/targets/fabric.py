@@ -12,6 +12,7 @@ the coefficient the replay needs.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +45,14 @@ class FabricTarget(UserLoopTarget):
                  router_parser: RouterParser | None = None) -> None:
         module = model.module if isinstance(model, _FabricModule) else model
         raw = optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
+        # torch's LRScheduler marks the step of the optimizer it drives. Unless handed over,
+        # a scheduler stepped in step_fn is stepped again by every replayed iteration.
+        if not schedulers and hasattr(raw.step, "_wrapped_by_lr_sched"):
+            warnings.warn("an LR scheduler drives this optimizer, but protect() got no "
+                          "schedulers=[...]: one stepped inside step_fn would be stepped "
+                          "again by every replayed iteration and run ahead after a "
+                          "recovery; pass it as protect(..., schedulers=[scheduler])",
+                          UserWarning, stacklevel=3)
         parallelism = user_parallelism(fabric.strategy)
         # Replicas synchronised by a DDP-style wrapper expect a gradient for every
         # parameter: frozen ones keep requires_grad and are restored around the step. A
@@ -100,4 +109,12 @@ class ProtectedStep:
     def __call__(self, batch: Any) -> Any:
         """Run iteration ``target.step`` on ``batch``."""
         self.target.start_iteration(batch, self.target.step)
-        return self.target.step_fn(batch)
+        step = self.target.step  # after a recovery start_iteration ran: the step to run
+        result = self.target.step_fn(batch)
+        steps = self.target.step - step
+        require(steps == 1,
+                f"the step function passed to protect() ran {steps} optimizer steps on one "
+                "batch; sparse checkpointing logs and replays one batch per optimizer step, "
+                "so call optimizer.step() exactly once per call (to accumulate gradients, "
+                "loop over micro-batches inside the step function)")
+        return result

@@ -50,7 +50,9 @@ def parse_router_output(output: Any, n_experts: int, top_k: int | None
     if indices is None:
         return None
     if dense is None:  # scores of the selected experts only: count them as probabilities
-        probs = torch.zeros(indices.shape[0], n_experts, device=indices.device)
+        # float32 whatever the default dtype (bf16-true sets it to bf16)
+        probs = torch.zeros(indices.shape[0], n_experts, dtype=torch.float32,
+                            device=indices.device)
         scores = next((t for t in output if isinstance(t, torch.Tensor)
                        and t.is_floating_point() and t.shape == indices.shape), None)
         if scores is not None:
@@ -99,8 +101,8 @@ class RouterTelemetry:
             indices, probs = parsed
             if self.hard is None or self.hard.device != indices.device:
                 shape = (self.n_layers, self.n_experts)
-                self.hard = torch.zeros(shape, device=indices.device)
-                self.soft = torch.zeros(shape, device=indices.device)
+                self.hard = torch.zeros(shape, dtype=torch.float32, device=indices.device)
+                self.soft = torch.zeros(shape, dtype=torch.float32, device=indices.device)
             assert self.soft is not None
             self.hard[layer] += torch.bincount(indices.flatten(), minlength=self.n_experts)
             self.soft[layer] += probs.sum(dim=0)
