@@ -72,7 +72,6 @@ def _fabric_run(fail_at: int | None, max_norm: float | None = None,
 
 
 def _assert_same(reference: dict[str, Any], failed: dict[str, Any]) -> None:
-    assert reference["lr"] == failed["lr"]
     for name, value in reference["params"].items():
         assert torch.equal(value, failed["params"][name]), name
     assert reference["optimizer"].keys() == failed["optimizer"].keys()
@@ -96,6 +95,7 @@ def test_fabric_step_with_a_scheduler_and_python_and_numpy_randomness_recovers_b
                                                                         randomness=True)
     assert failed["fired"] == 1 and failed["recoveries"][0]["iterations_replayed"] == WINDOW
     _assert_same(reference, failed)
+    assert reference["lr"] == failed["lr"] != [1e-2]  # the schedule moved, and alike
 
 
 def test_fabric_step_function_misuse_is_named() -> None:
