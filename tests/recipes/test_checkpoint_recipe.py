@@ -54,14 +54,22 @@ def test_snapshots_do_not_change_training(tmp_path: Path) -> None:
 ], ids=["fp32", "bf16", "fp32-pp2-ep2"])
 def test_durable_checkpoint_resumes_bitwise_with_plain_ckpt_path(
         tmp_path: Path, precision: str, layout: tuple[str, ...]) -> None:
-    common = ("trainer.max_steps=12", "checkpoint.window=3", f"trainer.precision={precision}",
+    """Resumed at step 7 of 16 (more steps to go than done: the epoch Lightning restores
+    must not end early), and a failure at step 11 after the resume recovers from the
+    resumed run's own windows."""
+    common = ("trainer.max_steps=16", "checkpoint.window=3", f"trainer.precision={precision}",
               *layout)
     full = run_recipe(tmp_path / "full", *common, "checkpoint.durable_every=2")
     assert full.returncode == 0, full.stderr[-4000:]
     saved = json.loads((tmp_path / "full" / "metrics.json").read_text())["durable_checkpoints"]
-    assert [Path(p).name for p in saved] == ["step=7.ckpt"]  # 2nd persisted window (3..5)
-    resumed = run_recipe(tmp_path / "resumed", *common, f"ckpt_path='{saved[0]}'")
+    # after the 2nd persisted window (3..5) and the 4th (9..11)
+    assert [Path(p).name for p in saved] == ["step=7.ckpt", "step=13.ckpt"]
+    resumed = run_recipe(tmp_path / "resumed", *common, f"ckpt_path='{saved[0]}'",
+                         "faults=at", "faults.events=[{step: 11, rank: 0}]")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
+    (recovery,) = json.loads((tmp_path / "resumed" / "metrics.json").read_text())["recoveries"]
+    # a window of the resumed run (or its initial snapshot, step 6), never one before it
+    assert recovery["failed_step"] == 11 and 6 <= recovery["window_start"] < 11
     assert_states_equal(tmp_path / "full" / "final_state.pt",
                         tmp_path / "resumed" / "final_state.pt")
     losses_full = json.loads((tmp_path / "full" / "metrics.json").read_text())["loss"]

@@ -232,6 +232,9 @@ class SparseCheckpointing(L.Callback, StepHooks):
                                **options)
         if self._pending_state is not None and self._pending_state.get("planner") is not None:
             planner.load_state_dict(self._pending_state["planner"])  # resumed from a checkpoint
+            # Windows start afresh at the resumed step, as after a recovery: the initial
+            # snapshot below (the state before it) is the recovery point until one persists.
+            planner.on_recovery(target.step)
             self._pending_state = None
         # The state before the next step, kept (and replicated) as the first checkpoint.
         before = target.step - 1
@@ -362,7 +365,11 @@ class SparseCheckpointing(L.Callback, StepHooks):
         if self.target is not None:
             return  # attached already (FailureInjector listed first)
         if isinstance(pl_module, MoELanguageModule):
-            self.attach(pl_module.engine_or_raise(), rank=trainer.global_rank,
+            engine = pl_module.engine_or_raise()
+            # Lightning runs this hook before the module's: a resumed run's step first, so
+            # the initial snapshot is the state before the resumed step, not before step 0.
+            engine.set_step(trainer.global_step)
+            self.attach(engine, rank=trainer.global_rank,
                         world_size=trainer.world_size,
                         ranks_per_node=max(1, trainer.num_devices), device=pl_module.device)
             return

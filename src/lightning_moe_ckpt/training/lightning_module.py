@@ -83,9 +83,11 @@ class MoELanguageModule(L.LightningModule):
     @override
     def train_dataloader(self) -> DataLoader[dict[str, Any]]:
         # The data position is the optimizer step: a resumed run continues where the
-        # checkpoint left off.
-        dataset = IterationDataset(self.run_data().train, self.settings.max_steps,
-                                   start=self.trainer.global_step, shard=self.data_shard)
+        # checkpoint left off. max_steps items from there: Lightning restores its count of
+        # the epoch's batches too, and a shorter epoch would end (and restart) early.
+        start = self.trainer.global_step
+        dataset = IterationDataset(self.run_data().train, start + self.settings.max_steps,
+                                   start=start, shard=self.data_shard)
         return DataLoader(dataset, batch_size=None)
 
     @override
