@@ -94,6 +94,8 @@ def test_trace_json_and_csv_with_steps_and_timestamps(tmp_path: Path) -> None:
     timed = tmp_path / "times.csv"
     timed.write_text("time_s,rank\n0.0,0\n2.99,1\n3.0,1\n")
     assert [e.step for e in TraceSchedule(timed, iteration_s=1.5).events] == [0, 1, 2]
+    timed.write_text("time_s,rank\n0.45,0\n0.449,1\n")  # a boundary, and just before it
+    assert [e.step for e in TraceSchedule(timed, iteration_s=0.05).events] == [8, 9]
 
 
 def test_trace_errors(tmp_path: Path) -> None:

@@ -199,7 +199,9 @@ class TraceSchedule(_ListedSchedule):
                         and time_s >= 0, f"{row_where}.time_s={time_s!r} must be >= 0")
                 assert iteration_s is not None
                 row = {**{k: v for k, v in row.items() if k != "time_s"},
-                       "step": int(time_s // iteration_s)}
+                       # rounded first: 0.45 s at 0.05 s an iteration is the start of
+                       # step 9, though 0.45 / 0.05 is 8.999... in binary floating point
+                       "step": math.floor(round(time_s / iteration_s, 9))}
             events.append(parse_event(row, row_where, world_size))
         super().__init__(events)
 
