@@ -56,7 +56,8 @@ def test_durable_checkpoint_resumes_bitwise_with_plain_ckpt_path(
         tmp_path: Path, precision: str, layout: tuple[str, ...]) -> None:
     """Resumed at step 7 of 16 (more steps to go than done: the epoch Lightning restores
     must not end early), and a failure at step 11 after the resume recovers from the
-    resumed run's own windows."""
+    resumed run's own windows; the one scheduled at step 3, before the resume, is counted
+    and named instead of silently not firing."""
     common = ("trainer.max_steps=16", "checkpoint.window=3", f"trainer.precision={precision}",
               *layout)
     full = run_recipe(tmp_path / "full", *common, "checkpoint.durable_every=2")
@@ -65,9 +66,12 @@ def test_durable_checkpoint_resumes_bitwise_with_plain_ckpt_path(
     # after the 2nd persisted window (3..5) and the 4th (9..11)
     assert [Path(p).name for p in saved] == ["step=7.ckpt", "step=13.ckpt"]
     resumed = run_recipe(tmp_path / "resumed", *common, f"ckpt_path='{saved[0]}'",
-                         "faults=at", "faults.events=[{step: 11, rank: 0}]")
+                         "faults=at", "faults.events=[{step: 3, rank: 0}, {step: 11, rank: 0}]")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    (recovery,) = json.loads((tmp_path / "resumed" / "metrics.json").read_text())["recoveries"]
+    metrics = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
+    assert metrics["failures_injected"] == 1 and metrics["failures_before_resume"] == 1
+    assert "1 scheduled failure(s) before it (the first at step 3)" in resumed.stderr
+    (recovery,) = metrics["recoveries"]
     # a window of the resumed run (or its initial snapshot, step 6), never one before it
     assert recovery["failed_step"] == 11 and 6 <= recovery["window_start"] < 11
     assert_states_equal(tmp_path / "full" / "final_state.pt",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ from lightning_moe_ckpt.recovery.faults import (
     destroy_rank_state,
 )
 from lightning_moe_ckpt.recovery.replay import Cascade, RecoveryReport
+from lightning_moe_ckpt.recovery.supervisor import is_replacement
 from lightning_moe_ckpt.targets.base import StepHooks, StepResult, TrainingTarget
 
 # Recovery phases in the order they happen ("convert_load": loading the window's first
@@ -83,6 +85,8 @@ class FailureInjector(L.Callback, StepHooks):
         # Real faults fire from this step on (a replacement joins after its rank's fault;
         # None while it does not know yet where it joins: none fires).
         self.real_from: int | None = 0
+        # Scheduled failures before the step a resumed run starts at (they never fire).
+        self.failures_before_resume = 0
 
     def attach(self, target: TrainingTarget, rank: int = 0, world_size: int = 1) -> None:
         """Start injecting into ``target`` (attach ``checkpointing`` first)."""
@@ -198,6 +202,19 @@ class FailureInjector(L.Callback, StepHooks):
                 self.counter.record(event)
                 fail_for_real(event)
 
+    def _note_resumed_past(self, start_step: int) -> None:
+        """A run resumed at ``start_step`` (``ckpt_path``) continues its schedule there:
+        the failures before it belonged to the run that wrote the checkpoint. They are
+        counted in the metrics and named in a warning, so a resumed test whose failures
+        all lie behind it does not pass for one that recovered."""
+        past = [event for event in self.schedule.events if event.step < start_step]
+        self.failures_before_resume = len(past)
+        if past and self.rank == 0:
+            warnings.warn(f"FailureInjector: training resumes at step {start_step}, so "
+                          f"{len(past)} scheduled failure(s) before it (the first at step "
+                          f"{past[0].step}) do not fire in this run; the failures from step "
+                          f"{start_step} on do", stacklevel=2)
+
     def _real_at(self, step: int) -> bool:
         """Whether this rank's real faults at ``step`` may still fire."""
         return self.real_from is not None and step >= self.real_from
@@ -233,6 +250,7 @@ class FailureInjector(L.Callback, StepHooks):
     def metrics(self) -> dict[str, Any]:
         """Failure and recovery figures for ``metrics.json``."""
         return {"failures_injected": self.counter.total, "failures": self.counter.as_dict(),
+                "failures_before_resume": self.failures_before_resume,
                 "recoveries": self.recoveries,
                 "iterations_replayed": sum(r["iterations_replayed"] for r in self.recoveries),
                 "lost_tokens": sum(r["lost_tokens"] for r in self.recoveries)}
@@ -265,4 +283,6 @@ class FailureInjector(L.Callback, StepHooks):
         check_reachable(self.schedule, world_size=trainer.world_size,
                         max_steps=trainer.max_steps if trainer.max_steps >= 0 else None,
                         where="FailureInjector")
+        if not is_replacement():  # a replacement's earlier failures were its job's
+            self._note_resumed_past(trainer.global_step)
         self.attach(self.checkpointing.target, trainer.global_rank, trainer.world_size)

@@ -53,6 +53,12 @@ FINISHED_KEY = "finished"  # counter: workers whose training loop ended
 TIMEOUT_KEY = "timeout_s"  # the supervisor's hang timeout, which workers must share
 
 
+def is_replacement() -> bool:
+    """Whether this process replaces a failed worker of a running job (the supervisor
+    started it with the generation it joins)."""
+    return ENV_REPLACES in os.environ
+
+
 def heartbeat_key(rank: int, pid: int) -> str:
     """The store counter a worker process bumps (per process: a replacement starts anew)."""
     return f"hb/{rank}/{pid}"

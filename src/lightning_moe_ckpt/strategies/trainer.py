@@ -20,7 +20,6 @@ machines.
 
 from __future__ import annotations
 
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing_extensions import override
 from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn, check_user_model
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.recovery.rendezvous import await_assignment
-from lightning_moe_ckpt.recovery.supervisor import ENV_REPLACES
+from lightning_moe_ckpt.recovery.supervisor import is_replacement
 from lightning_moe_ckpt.strategies.common import (
     assign_world_ranks,
     barrier,
@@ -81,7 +80,7 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
         # A replacement joining a running job: the Trainer's own start-up collectives
         # (log directory, barriers) stay local, since the survivors are recovering and
         # will not mirror them; it joins their collectives at its recovery.
-        self.joining_running_job = ENV_REPLACES in os.environ
+        self.joining_running_job = is_replacement()
 
     @property
     @override
