@@ -11,10 +11,13 @@ from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, SnapshotEngine, tensor_checksum
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
+from lightning_moe_ckpt.operators import OperatorRegistry
+from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
 from lightning_moe_ckpt.precision import PRECISIONS, Precision
 from lightning_moe_ckpt.targets.base import StepHooks
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.settings import settings_from_config
+from tests.anymodel.models import bias_balanced_moe
 
 
 @dataclass(frozen=True)
@@ -179,3 +182,40 @@ def test_copy_lists_are_reused_and_follow_replaced_tensors(replace: object) -> N
         for name, tensor in expected[operator].items():
             assert torch.equal(piece.tensors[name], tensor), name
         assert piece.verify()
+
+
+def test_module_buffers_are_held_as_of_issue_while_the_copy_runs_behind() -> None:
+    """A forward changes a balancing bias in place while the previous step's copy may
+    still run: the snapshot holds the buffer as it was at issue, the weights too."""
+    model = bias_balanced_moe()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens).float().square().mean().backward()
+    optimizer.step()
+    registry = OperatorRegistry(model)
+    snapshots = SnapshotEngine(registry, OptimizerStateAccess(optimizer), rank=0,
+                               device=torch.device("cpu"), copy_delay_s=0.2)
+    names = tuple(registry.names)
+    held = {op.name: {b.snapshot_key: b.tensor.clone() for b in op.buffers}
+            for op in registry if op.buffers}
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assert any(".router" in name for name in held)
+    snapshot = snapshots.issue(Plan(0, names[::2], names[1::2], 0, 0, 1), {})  # type: ignore[arg-type]
+    with torch.no_grad():
+        model(tokens)  # the next forward: every bias and token counter moves
+    assert not snapshot.copied.is_set()  # ... while the copy behind it still runs
+    live = {op.name: {b.snapshot_key: b.tensor for b in op.buffers} for op in registry}
+    assert all(not torch.equal(value, live[operator][key])
+               for operator, buffers in held.items() for key, value in buffers.items()
+               if key.endswith("tokens_seen"))
+    snapshots.close()
+    for operator, buffers in held.items():
+        piece = snapshot.pieces[operator]
+        for key, value in buffers.items():
+            assert torch.equal(piece.tensors[key], value), (operator, key)
+        assert piece.verify()
+    for piece in snapshot.pieces.values():
+        if piece.kind == "compute":
+            for name, tensor in piece.tensors.items():
+                if not name.startswith("buffer:"):
+                    assert torch.equal(tensor, weights[name]), name

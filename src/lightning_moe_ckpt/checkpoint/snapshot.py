@@ -12,6 +12,12 @@ any wait as stall time (invariant 3: the wait is measured, never hidden).
   pinned host buffers; the main thread never blocks except in that measured wait.
 * CPU: one worker thread performs the copies.
 
+Persistent module buffers (a balancing bias, normalisation statistics) are the exception:
+a forward may change them in place before optimizer step ``t+1``, so they are copied at
+issue, in order with the training thread (on CPU there, on CUDA on its current stream,
+before the side stream starts). They are small (a vector per router or norm), so this
+costs the training thread next to nothing.
+
 Host buffers come from a pool keyed by (tensor name, shape, dtype): buffers of a freed
 snapshot are reused by the next one with the same layout, so steady-state training
 allocates nothing. Every piece gets a CRC32C checksum (the SSE4.2/ARMv8 instruction through
@@ -81,16 +87,32 @@ class PieceLayout:
     sources: tuple[torch.Tensor, ...]
     key: tuple[Any, ...]  # pool key: (name, shape, dtype) per tensor
     nbytes: int
+    # Sources a forward may change before the next optimizer step (module buffers):
+    # copied at issue, not behind the next iteration.
+    at_issue: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, operator: str, kind: PieceKind,
-           sources: Mapping[str, torch.Tensor]) -> PieceLayout:
-        """The layout of ``sources`` (any order) for ``operator``."""
+    def of(cls, operator: str, kind: PieceKind, sources: Mapping[str, torch.Tensor],
+           at_issue: Iterable[str] = ()) -> PieceLayout:
+        """The layout of ``sources`` (any order) for ``operator``; ``at_issue`` names the
+        sources to copy at issue."""
         names = tuple(sorted(sources))
         ordered = tuple(sources[name] for name in names)
         key = tuple((n, tuple(t.shape), t.dtype) for n, t in zip(names, ordered, strict=True))
         return cls(operator, kind, names, ordered, key,
-                   sum(t.numel() * t.element_size() for t in ordered))
+                   sum(t.numel() * t.element_size() for t in ordered), frozenset(at_issue))
+
+    @property
+    def behind_sources(self) -> tuple[torch.Tensor, ...]:
+        """The sources copied behind the next iteration, in name order."""
+        return tuple(t for n, t in zip(self.names, self.sources, strict=True)
+                     if n not in self.at_issue)
+
+    @property
+    def at_issue_sources(self) -> tuple[torch.Tensor, ...]:
+        """The sources copied at issue, in name order."""
+        return tuple(t for n, t in zip(self.names, self.sources, strict=True)
+                     if n in self.at_issue)
 
 
 @dataclass(frozen=True)
@@ -108,6 +130,8 @@ class PieceBuffers:
     tensors: dict[str, torch.Tensor]
     raw: tuple[memoryview, ...]  # what the checksum reads after the names, in order
     names_crc: int
+    behind: tuple[torch.Tensor, ...]  # targets of the layout's behind_sources, in order
+    at_issue: tuple[torch.Tensor, ...]  # targets of its at_issue_sources, in order
 
     @classmethod
     def allocate(cls, layout: PieceLayout, pin_memory: bool) -> PieceBuffers:
@@ -129,7 +153,9 @@ class PieceBuffers:
             tensors = {name: torch.empty(s.shape, dtype=s.dtype, pin_memory=pin_memory)
                        for name, s in zip(layout.names, layout.sources, strict=True)}
             raw = tuple(raw_bytes(t) for t in tensors.values())
-        return cls(layout.key, tensors, raw, names_checksum(layout.names))
+        return cls(layout.key, tensors, raw, names_checksum(layout.names),
+                   tuple(tensors[n] for n in layout.names if n not in layout.at_issue),
+                   tuple(tensors[n] for n in layout.names if n in layout.at_issue))
 
     def checksum(self) -> int:
         """:func:`tensor_checksum` of :attr:`tensors`, from the prepared views."""
@@ -218,7 +244,8 @@ class CopyList:
     and none per tensor. Valid while :attr:`fingerprint` matches the live state."""
 
     pieces: tuple[PieceLayout, ...]
-    sources: tuple[torch.Tensor, ...]
+    sources: tuple[torch.Tensor, ...]  # copied behind the next iteration
+    at_issue_sources: tuple[torch.Tensor, ...]  # module buffers, copied at issue
     fingerprint: StateFingerprint
 
 
@@ -275,15 +302,17 @@ class SnapshotEngine:
             del self.copy_lists[next(iter(self.copy_lists))]
         kinds: tuple[tuple[PieceKind, tuple[str, ...]], ...] = (
             ("master", plan.master), ("compute", plan.compute))
-        pieces = tuple(PieceLayout.of(operator, kind, _sources(self.registry, self.state,
-                                                               operator, kind))
+        pieces = tuple(PieceLayout.of(operator, kind,
+                                      _sources(self.registry, self.state, operator, kind),
+                                      (b.snapshot_key for b in self.registry[operator].buffers))
                        for kind, operators in kinds for operator in operators
                        if operator in self.registry)  # others are held by other ranks
         operators = [self.registry[layout.operator] for layout in pieces]
         fingerprint = StateFingerprint(self.state,
                                        (piece for op in operators for piece in op.pieces),
                                        (buffer for op in operators for buffer in op.buffers))
-        built = CopyList(pieces, tuple(t for layout in pieces for t in layout.sources),
+        built = CopyList(pieces, tuple(t for layout in pieces for t in layout.behind_sources),
+                         tuple(t for layout in pieces for t in layout.at_issue_sources),
                          fingerprint)
         self.copy_lists[shape] = built
         self.copy_list_builds += 1
@@ -294,9 +323,11 @@ class SnapshotEngine:
         copies = self.copy_list(plan)
         pieces: dict[str, SnapshotPiece] = {}
         targets: list[torch.Tensor] = []
+        at_issue: list[torch.Tensor] = []
         for layout in copies.pieces:
             buffers = self.pool.acquire(layout)
-            targets.extend(buffers.tensors.values())  # name order, as the sources
+            targets.extend(buffers.behind)  # name order, as the sources
+            at_issue.extend(buffers.at_issue)
             piece = SnapshotPiece(layout.operator, layout.kind, buffers.tensors,
                                   buffers=buffers)
             piece.nbytes = layout.nbytes  # known: spares a sum over the tensors
@@ -305,6 +336,9 @@ class SnapshotEngine:
         self.bytes_issued += snapshot.nbytes
         self.pieces_issued += len(pieces)
         sources = list(copies.sources)
+        if at_issue:  # before the next forward can change them (the CUDA copy: on its stream)
+            torch._foreach_copy_(at_issue, list(copies.at_issue_sources),
+                                 non_blocking=self.cuda)
         if self.stream is not None:
             ready = torch.cuda.Event()
             ready.record()
