@@ -58,6 +58,19 @@ def test_dead_worker_is_replaced_and_training_ends_bitwise(
     _assert_bitwise(golden_pp2, tmp_path, metrics)
 
 
+def test_a_worker_dying_while_warming_up_is_replaced_and_training_ends_bitwise(
+        tmp_path: Path, golden_pp2: Path) -> None:
+    """W is profiled (not forced) and rank 1 dies at step 1, before any rank has its
+    profile: every rank warms up afresh with the replacement, so that they finish
+    together and agree on W from the same iteration on."""
+    result = run_recipe(tmp_path, *PP2, "checkpoint.window=null", "faults=at",
+                        "faults.kind=kill", "faults.events=[{step: 1, rank: 1}]")
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = _assert_replaced(tmp_path, 1, "exit -9", world=2)
+    _assert_bitwise(golden_pp2, tmp_path, metrics)
+    assert metrics["profile"] is not None and metrics["windows_taken"] > 1
+
+
 def test_hung_worker_is_killed_within_the_timeout_and_replaced(
         tmp_path: Path, golden_pp2: Path) -> None:
     result = run_recipe(tmp_path, *PP2, "faults=at", "faults.kind=hang",

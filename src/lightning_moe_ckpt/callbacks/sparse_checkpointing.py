@@ -107,9 +107,21 @@ class _ProfilingHook(StepHooks):
     def __init__(self, coordinator: CheckpointCoordinator, warmup: int,
                  device: torch.device) -> None:
         self.coordinator = coordinator
-        self.profiler = IterationProfiler(warmup_iterations=warmup, skip=1, device=device)
+        self.warmup = warmup
         self.device = device
-        self.profiler.begin()
+        self.profiler = self._fresh_profiler()
+        coordinator.profiling_restarts.append(self.restart)
+
+    def _fresh_profiler(self) -> IterationProfiler:
+        profiler = IterationProfiler(warmup_iterations=self.warmup, skip=1, device=self.device)
+        profiler.begin()
+        return profiler
+
+    def restart(self) -> None:
+        """Warm up from the next iteration on again (see
+        :meth:`CheckpointCoordinator.restart_profiling`)."""
+        if not self.profiler.done:
+            self.profiler = self._fresh_profiler()
 
     @override
     def after_optimizer_step(self, step: int, result: StepResult) -> None:

@@ -31,6 +31,7 @@ import statistics
 import time
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,6 +85,8 @@ class CheckpointCoordinator(StepHooks):
         self.windows_seen: set[int] = set()
         self.current_window: int | None = None
         self.profile: dict[str, float] | None = None
+        # Called when every rank starts its warm-up profiling over (restart_profiling).
+        self.profiling_restarts: list[Callable[[], None]] = []
         self._snapshot_taken = False
         self._specs_measured = False
         self.paused_forward_backward = 0  # set by a localized recovery this rank sat out
@@ -204,6 +207,13 @@ class CheckpointCoordinator(StepHooks):
             self.replicator.drain()
         self.drain_acks()
         self.store.refresh()
+
+    def restart_profiling(self) -> None:
+        """Start the warm-up profiling over (every rank at once, after a recovery that
+        came before any rank had its profile): the ranks then finish warming up at the
+        same iteration, as they must, since from there on they agree on W together."""
+        for restart in self.profiling_restarts:
+            restart()
 
     def adopt_profile(self, profile: dict[str, float]) -> None:
         """Plan from a peer's measured profile (a replacement joining a running job: every

@@ -121,7 +121,9 @@ class PeerFailureHandler(StepHooks):
             profiles: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(profiles, self.coordinator.profile)
             known = next((p for p in profiles if p is not None), None)
-            if self.coordinator.profile is None and known is not None:
+            if known is None:  # a failure while warming up: a replacement starts afresh,
+                self.coordinator.restart_profiling()  # so everyone does, together
+            elif self.coordinator.profile is None:
                 self.coordinator.adopt_profile(known)  # a replacement plans like the others
             # Forward/backward passes each paused rank ran during the recovery (must be 0).
             paused: list[Any] = [None] * dist.get_world_size()
