@@ -80,9 +80,10 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer
 
 def fit(builder: Callable[..., nn.Module], fail_at: int | None = None, *,
         manual: bool = False, precision: str = "32-true", clip: float | None = None,
-        steps: int = STEPS, window: int = WINDOW, **checkpoint_options: Any) -> Run:
+        steps: int = STEPS, window: int = WINDOW, module_type: type[LMModule] = LMModule,
+        batches_per_epoch: int = STEPS + 2, **checkpoint_options: Any) -> Run:
     """Train ``builder()``'s model for ``steps`` steps, failing rank 0 at ``fail_at``."""
-    module = LMModule(builder(seed=0), manual=manual, clip_val=clip if manual else None)
+    module = module_type(builder(seed=0), manual=manual, clip_val=clip if manual else None)
     checkpointing = SparseCheckpointing("moevement", replicas=0, window=window,
                                         **checkpoint_options)
     spy = StepLosses()
@@ -95,7 +96,7 @@ def fit(builder: Callable[..., nn.Module], fail_at: int | None = None, *,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, precision=precision,  # type: ignore[arg-type]
                         gradient_clip_val=None if manual else clip, callbacks=callbacks)
-    trainer.fit(module, random_token_loader(n_batches=steps + 2))
+    trainer.fit(module, random_token_loader(n_batches=batches_per_epoch))
     params = {n: p.detach().clone() for n, p in module.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
     return Run(params, optimizer_state(module, trainer.optimizers[0]), spy.losses,

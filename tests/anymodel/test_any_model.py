@@ -11,6 +11,7 @@ operators snapshot by snapshot.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -27,6 +28,7 @@ from tests.anymodel.models import (
     dropout_moe,
     grouped_experts_moe,
     mixtral,
+    modulelist_moe,
     qwen3_moe,
     random_token_loader,
 )
@@ -91,6 +93,24 @@ def test_buffers_the_model_updates_in_training_recover_bitwise() -> None:
     held = {buffer.name: op.name for op in registry for buffer in op.buffers}
     assert held["model.blocks.0.moe.router.expert_bias"] == "model.blocks.0.moe.router"
     assert held["model.blocks.0.moe.tokens_seen"] == "model.blocks.0.attn"
+
+
+class _CurriculumModule(LMModule):
+    """A loss weighted by ``self.global_step`` and ``self.current_epoch`` (a curriculum,
+    an annealed auxiliary term): replay must see the counters of the step it reruns."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * (1 + 0.1 * self.global_step) * (1 + 0.5 * self.current_epoch)
+
+
+def test_replay_sees_the_global_step_and_epoch_it_reruns() -> None:
+    """Five batches an epoch: the replayed window (steps 4..6) crosses from epoch 0 into
+    epoch 1, and the failure strikes in epoch 1 at step 7."""
+    options: dict[str, Any] = {"module_type": _CurriculumModule, "batches_per_epoch": 5}
+    reference = fit(modulelist_moe, top_k=2, **options)
+    failed = fit(modulelist_moe, FAIL_AT, top_k=2, **options)
+    _assert_recovered_sparsely(reference, failed)
 
 
 def test_manual_optimization_recovers_bitwise() -> None:

@@ -28,6 +28,7 @@ class BatchRecord:
     # Target-specific (RNG, LR schedulers, param groups); None for a batch read again from
     # the loader by a process that joined later (its state evolves through the replay).
     state: dict[str, Any] | None
+    epoch: int = 0  # the loop's epoch (the Trainer's current_epoch); 0 where it has none
 
     @property
     def nbytes(self) -> int:

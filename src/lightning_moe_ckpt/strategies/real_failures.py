@@ -185,7 +185,7 @@ class JoiningLoader:
             next(iterator)
         batch = next(iterator)
         self._reader = (epoch, index + 1, iterator)
-        return BatchRecord(step, batch, index, None)
+        return BatchRecord(step, batch, index, None, epoch)
 
 
 def _set_sampler_epoch(loader: Any, epoch: int) -> None:

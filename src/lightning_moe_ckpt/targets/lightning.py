@@ -23,7 +23,8 @@ the setting named: gradient accumulation, several optimizers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
@@ -112,6 +113,10 @@ class LightningTarget(UserLoopTarget):
             self.catch_up(step)
 
     @override
+    def loop_epoch(self) -> int:
+        return self.trainer.current_epoch
+
+    @override
     def advance_schedule(self, batch_idx: int) -> None:
         if not self.module.automatic_optimization:
             return
@@ -122,6 +127,10 @@ class LightningTarget(UserLoopTarget):
 
     @override
     def run_step(self, record: BatchRecord) -> None:
+        with trainer_counters_at(self.trainer, self.step, record.epoch):
+            self._run_step(record)
+
+    def _run_step(self, record: BatchRecord) -> None:
         trainer, strategy = self.trainer, self.trainer.strategy
         batch = strategy.batch_to_device(record.batch)
         if not self.module.automatic_optimization:
@@ -146,6 +155,33 @@ class LightningTarget(UserLoopTarget):
 _COUNTERS = ("ready", "started", "processed", "completed")
 
 
+def _optimizer_step_progress(trainer: L.Trainer) -> Any:
+    """The Trainer's count of optimizer steps (``global_step`` reads its ``completed``)."""
+    loop = trainer.fit_loop.epoch_loop
+    if trainer.lightning_module.automatic_optimization:
+        return loop.automatic_optimization.optim_progress.optimizer.step.total
+    return loop.manual_optimization.optim_step_progress.total
+
+
+@contextmanager
+def trainer_counters_at(trainer: L.Trainer, step: int, epoch: int) -> Iterator[None]:
+    """While a logged iteration runs again, ``trainer.global_step`` and
+    ``trainer.current_epoch`` (and the logging step) read what they read when it ran
+    first, for a ``training_step`` that depends on them (a curriculum, a warm-up); the
+    Trainer's own counts are put back afterwards."""
+    progress = _optimizer_step_progress(trainer)
+    loop = trainer.fit_loop.epoch_loop
+    epochs = trainer.fit_loop.epoch_progress.current
+    saved = progress.ready, progress.completed, epochs.completed, loop._batches_that_stepped
+    progress.ready = progress.completed = step
+    epochs.completed = epoch
+    loop._batches_that_stepped = step
+    try:
+        yield
+    finally:
+        progress.ready, progress.completed, epochs.completed, loop._batches_that_stepped = saved
+
+
 def align_trainer_step(trainer: L.Trainer, step: int, batches: bool,
                        batches_per_epoch: int | None = None) -> None:
     """Make the Trainer count ``step`` optimizer steps (and, with ``batches``, ``step``
@@ -158,10 +194,7 @@ def align_trainer_step(trainer: L.Trainer, step: int, batches: bool,
     is in counts once. Data position, validation and ``max_steps`` follow these counters,
     and they must agree on every rank."""
     loop = trainer.fit_loop.epoch_loop
-    if trainer.lightning_module.automatic_optimization:
-        optimizer_steps = loop.automatic_optimization.optim_progress.optimizer.step.total
-    else:
-        optimizer_steps = loop.manual_optimization.optim_step_progress.total
+    optimizer_steps = _optimizer_step_progress(trainer)
     optimizer_steps.ready = optimizer_steps.completed = step
     if not batches:
         return

@@ -165,8 +165,12 @@ class UserLoopTarget(TrainingTarget):
         """Iteration ``step`` starts on ``batch``: log it, then run the observers."""
         self._batch_idx = batch_idx
         self.batch_log.log(BatchRecord(self.step, host_copy(batch), batch_idx,
-                                       self.schedule_state()))
+                                       self.schedule_state(), self.loop_epoch()))
         self.begin_iteration()
+
+    def loop_epoch(self) -> int:
+        """The epoch the loop is in, logged with each batch (0: a loop without epochs)."""
+        return 0
 
     @override
     def schedule_state(self) -> dict[str, Any]:
