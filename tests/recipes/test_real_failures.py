@@ -248,6 +248,56 @@ def test_a_worker_killed_from_outside_is_replaced_under_recovery_supervise(
     _assert_bitwise(golden_pp2, tmp_path, metrics)
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (an exited orphan may linger as a zombie of init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "term"])
+def test_workers_do_not_outlive_their_supervisor(tmp_path: Path, signum: int) -> None:
+    """The supervisor (the recipe's process under recovery.supervise=true) is killed, or
+    cancelled with SIGTERM, mid-training: no worker trains on as an orphan."""
+    status = tmp_path / "workers.json"
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "recipes" / "train.py"), f"out_dir={tmp_path}",
+         "trainer.progress_bar=false", *PP2, "trainer.max_steps=400",
+         "recovery.supervise=true"],
+        cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not status.exists():
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        view = json.loads(status.read_text())
+        workers = list(view["ranks"].values())
+        assert view["supervisor"] == process.pid
+        host, port = view["store"].rsplit(":", 1)
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+        while int(store.add(heartbeat_key(1, workers[1]), 0)) < 3:  # training is under way
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        del store
+        os.kill(process.pid, signum)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == (-signum if signum == signal.SIGKILL else 128 + signum)
+        gone_by = time.monotonic() + 30
+        while any(_running(pid) for pid in workers) and time.monotonic() < gone_by:
+            time.sleep(0.1)
+        assert not any(_running(pid) for pid in workers), (workers, stderr[-3000:])
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in workers:  # what a failed test left behind ends with it
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_trainer_api_kill_and_kill_of_rank_0_recover_bitwise(
         tmp_path: Path, golden_pp2: Path) -> None:
     """The Trainer API under the supervisor: rank 1 is killed at step 4 and rank 0 at step

@@ -31,6 +31,7 @@ from lightning_moe_ckpt.recovery.supervisor import (
     ENV_REPLACES,
     ENV_SPARE,
     ENV_STORE,
+    EXIT_SUPERVISOR_LOST,
     EXIT_UNRECOVERABLE,
     FINISHED_KEY,
     TIMEOUT_KEY,
@@ -173,15 +174,25 @@ class JobStore:
         return self._newest_seen > self.generation
 
     def _watch(self) -> None:
-        store = _client(self.address, self.timeout)  # its own connection: thread-safe
-        key = heartbeat_key(self.rank, os.getpid())
-        published = 0
-        while not self._stop_watch.wait(_WATCH_S):
-            done = self._iterations  # an int written by the training thread
-            if done != published:
-                store.add(key, done - published)
-                published = done
-            self._newest_seen = int(store.get("generation"))
+        try:
+            store = _client(self.address, self.timeout)  # its own connection: thread-safe
+            key = heartbeat_key(self.rank, os.getpid())
+            published = 0
+            while not self._stop_watch.wait(_WATCH_S):
+                done = self._iterations  # an int written by the training thread
+                if done != published:
+                    store.add(key, done - published)
+                    published = done
+                self._newest_seen = int(store.get("generation"))
+        except (RuntimeError, OSError) as error:  # torch's store errors are RuntimeErrors
+            if self._stop_watch.is_set():
+                return  # training is over: the supervisor may be gone by now
+            # The store lives in the supervisor: it is gone, so no failure could be
+            # recovered and nobody would collect this worker's results. An orphan
+            # training on for hours helps no one.
+            print(f"rank {self.rank} (pid {os.getpid()}): lost the supervisor's store "
+                  f"({error}); this worker stops", file=sys.stderr, flush=True)
+            os._exit(EXIT_SUPERVISOR_LOST)
 
     def training_finished(self) -> None:
         """This worker's training loop ended: the supervisor times the job's training

@@ -21,6 +21,10 @@ recover with the replacement; they keep their processes and their state. After
 generation. The job's exit code is 0 when every worker finished training and exited
 cleanly; a worker that fails after its training loop ended is reported, not replaced
 (no generation can form without the ranks that finished), and the code is then 1.
+
+The workers live no longer than their supervisor: a SIGTERM to it (a scheduler's
+cancel) stops them by pid before it exits, and a worker that loses the supervisor's
+store (the supervisor was killed) stops itself (exit code ``EXIT_SUPERVISOR_LOST``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +52,9 @@ POLL_S = 0.05
 # A worker's exit code for "no recovery can succeed" (nothing left to recover from): the
 # supervisor stops the job instead of replacing the worker again.
 EXIT_UNRECOVERABLE = 86
+# A worker's exit code when its supervisor is gone: no failure could be recovered any
+# more and nobody would collect its results.
+EXIT_SUPERVISOR_LOST = 87
 FINISHED_KEY = "finished"  # counter: workers whose training loop ended
 
 
@@ -105,7 +113,17 @@ class Supervisor:
     training_s: float | None = None
 
     def run(self) -> int:
-        """Supervise until every worker finished (0) or the job cannot go on (1)."""
+        """Supervise until every worker finished (0) or the job cannot go on (1). A
+        SIGTERM stops the workers and exits with ``128 + SIGTERM``."""
+        if threading.current_thread() is not threading.main_thread():
+            return self._supervise()  # signal handlers belong to the main thread
+        previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+        try:
+            return self._supervise()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _supervise(self) -> int:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=max(30.0, self.timeout_s)))
         store.set("generation", "0")
@@ -269,6 +287,12 @@ class Supervisor:
                 process.kill()
         for process in workers.values():
             process.wait()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM ends the supervisor as Ctrl-C would: through its clean-up, which stops the
+    workers by pid (Python's default would leave them running, orphaned)."""
+    raise SystemExit(128 + signum)
 
 
 def _every_process(workers: dict[int, subprocess.Popen[bytes]],
