@@ -24,6 +24,8 @@ from tests.anymodel.harness import FAIL_AT, WINDOW, Run, assert_bitwise, fit
 from tests.anymodel.models import (
     BUILDERS,
     LMModule,
+    ModuleListLM,
+    ModuleListMoE,
     bias_balanced_moe,
     dropout_moe,
     grouped_experts_moe,
@@ -111,6 +113,65 @@ def test_replay_sees_the_global_step_and_epoch_it_reruns() -> None:
     reference = fit(modulelist_moe, top_k=2, **options)
     failed = fit(modulelist_moe, FAIL_AT, top_k=2, **options)
     _assert_recovered_sparsely(reference, failed)
+
+
+class _StepHookBalancedMoE(ModuleListMoE):
+    """torchtitan's load balancing: ``forward`` counts tokens per expert in a buffer; an
+    optimizer step pre-hook moves the bias by them and clears the counts. Under
+    Lightning's closure the pre-hook runs before its iteration's forward, so the counts
+    carry over from one iteration to the next: they are state, in a persistent buffer."""
+
+    def __init__(self, dim: int, ff: int, n_experts: int, top_k: int) -> None:
+        super().__init__(dim, ff, n_experts, top_k)
+        self.register_buffer("expert_bias", torch.zeros(n_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(flat), dim=-1)
+        chosen = (probs.detach() + self.get_buffer("expert_bias")).topk(self.top_k).indices
+        weights = probs.gather(-1, chosen)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+        with torch.no_grad():
+            self.get_buffer("tokens_per_expert").add_(
+                torch.bincount(chosen.flatten(), minlength=len(self.experts)).float())
+        return out.reshape(x.shape)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        counts = self.get_buffer("tokens_per_expert")
+        self.get_buffer("expert_bias").add_(1e-2 * torch.sign(counts.mean() - counts))
+        counts.zero_()
+
+
+class _StepHookBalancedModule(LMModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        optimizer = super().configure_optimizers()
+        layers = [m for m in self.modules() if isinstance(m, _StepHookBalancedMoE)]
+
+        def update_biases(*_: Any) -> None:
+            for layer in layers:
+                layer.update_bias()
+
+        optimizer.register_step_pre_hook(update_biases)
+        return optimizer
+
+
+def _step_hook_balanced_moe(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return ModuleListLM(moe=_StepHookBalancedMoE)
+
+
+def test_buffers_an_optimizer_step_hook_updates_recover_bitwise() -> None:
+    reference = fit(_step_hook_balanced_moe, top_k=2, module_type=_StepHookBalancedModule)
+    failed = fit(_step_hook_balanced_moe, FAIL_AT, top_k=2,
+                 module_type=_StepHookBalancedModule)
+    _assert_recovered_sparsely(reference, failed)  # buffers compared bitwise too
+    biases = [name for name in failed.buffers if name.endswith("expert_bias")]
+    assert biases and all(bool(reference.buffers[name].abs().sum() > 0) for name in biases)
 
 
 def test_manual_optimization_recovers_bitwise() -> None:
