@@ -206,30 +206,44 @@ def test_rank_0_killed_while_it_replicates_is_replaced_by_a_warm_spare(
     _assert_bitwise(golden_pp2, tmp_path, metrics)
 
 
+def _start_supervised(out: Path, *overrides: str) -> subprocess.Popen[str]:
+    """The recipe under ``recovery.supervise=true`` as a user starts it: its process is
+    the supervisor, writing the workers' pids to ``out/workers.json``."""
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "recipes" / "train.py"), f"out_dir={out}",
+         "trainer.progress_bar=false", *PP2, *overrides, "recovery.supervise=true"],
+        cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _await_iteration(process: subprocess.Popen[str], status: Path, rank: int,
+                     beats: int) -> dict[str, Any]:
+    """Wait (bounded) until ``rank``'s worker began its ``beats``-th iteration; returns
+    the supervisor's status."""
+    deadline = time.monotonic() + 300
+    while not status.exists():
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    view: dict[str, Any] = json.loads(status.read_text())
+    host, port = view["store"].rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+    while int(store.add(heartbeat_key(rank, view["ranks"][str(rank)]), 0)) < beats:
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    return view
+
+
 def test_a_worker_killed_from_outside_is_replaced_under_recovery_supervise(
         tmp_path: Path, golden_pp2: Path) -> None:
     """No fault injected: the test itself sends SIGKILL to rank 1's pid once it runs its
     sixth iteration, as an out-of-memory killer or an operator would."""
     status = tmp_path / "workers.json"
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "recipes" / "train.py"), f"out_dir={tmp_path}",
-         "trainer.progress_bar=false", *PP2, "recovery.supervise=true"],
-        cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = _start_supervised(tmp_path)
     pids: set[int] = set()
     try:
-        deadline = time.monotonic() + 300
-        while not status.exists():
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        view = json.loads(status.read_text())
+        view = _await_iteration(process, status, rank=1, beats=6)  # iteration 5 began
         victim = view["ranks"]["1"]
         pids.update(view["ranks"].values())
-        host, port = view["store"].rsplit(":", 1)
-        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
-        while int(store.add(heartbeat_key(1, victim), 0)) < 6:  # iteration 5 began
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
         os.kill(victim, signal.SIGKILL)
         _, stderr = process.communicate(timeout=300)
         assert process.returncode == 0, stderr[-4000:]
@@ -261,27 +275,12 @@ def test_workers_do_not_outlive_their_supervisor(tmp_path: Path, signum: int) ->
     """The supervisor (the recipe's process under recovery.supervise=true) is killed, or
     cancelled with SIGTERM, mid-training: no worker trains on as an orphan."""
     status = tmp_path / "workers.json"
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "recipes" / "train.py"), f"out_dir={tmp_path}",
-         "trainer.progress_bar=false", *PP2, "trainer.max_steps=400",
-         "recovery.supervise=true"],
-        cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "1"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = _start_supervised(tmp_path, "trainer.max_steps=400")
     workers: list[int] = []
     try:
-        deadline = time.monotonic() + 300
-        while not status.exists():
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        view = json.loads(status.read_text())
+        view = _await_iteration(process, status, rank=1, beats=3)  # training is under way
         workers = list(view["ranks"].values())
         assert view["supervisor"] == process.pid
-        host, port = view["store"].rsplit(":", 1)
-        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
-        while int(store.add(heartbeat_key(1, workers[1]), 0)) < 3:  # training is under way
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
-        del store
         os.kill(process.pid, signum)
         _, stderr = process.communicate(timeout=60)
         assert process.returncode == (-signum if signum == signal.SIGKILL else 128 + signum)
