@@ -206,12 +206,14 @@ def test_rank_0_killed_while_it_replicates_is_replaced_by_a_warm_spare(
     _assert_bitwise(golden_pp2, tmp_path, metrics)
 
 
-def _start_supervised(out: Path, *overrides: str) -> subprocess.Popen[str]:
+def _start_supervised(out: Path, *overrides: str, api: str = "fabric"
+                      ) -> subprocess.Popen[str]:
     """The recipe under ``recovery.supervise=true`` as a user starts it: its process is
     the supervisor, writing the workers' pids to ``out/workers.json``."""
+    layout = [o.replace("api=fabric", f"api={api}") for o in PP2]
     return subprocess.Popen(
         [sys.executable, str(REPO / "recipes" / "train.py"), f"out_dir={out}",
-         "trainer.progress_bar=false", *PP2, *overrides, "recovery.supervise=true"],
+         "trainer.progress_bar=false", *layout, *overrides, "recovery.supervise=true"],
         cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -270,12 +272,16 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "term"])
-def test_workers_do_not_outlive_their_supervisor(tmp_path: Path, signum: int) -> None:
+@pytest.mark.parametrize(("signum", "api"), [(signal.SIGKILL, "trainer"),
+                                             (signal.SIGTERM, "fabric")],
+                         ids=["kill-trainer", "term-fabric"])
+def test_workers_do_not_outlive_their_supervisor(tmp_path: Path, signum: int,
+                                                 api: str) -> None:
     """The supervisor (the recipe's process under recovery.supervise=true) is killed, or
     cancelled with SIGTERM, mid-training: no worker trains on as an orphan."""
     status = tmp_path / "workers.json"
-    process = _start_supervised(tmp_path, "trainer.max_steps=400")
+    process = _start_supervised(tmp_path, "trainer.max_steps=5000",  # minutes of training
+                                api=api)
     workers: list[int] = []
     try:
         view = _await_iteration(process, status, rank=1, beats=3)  # training is under way
