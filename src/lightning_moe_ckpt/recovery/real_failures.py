@@ -182,7 +182,8 @@ def agree_on_failure(views: Sequence[View],
     steps = [step for step, _, _ in views]
     if all(step is None for step in steps):
         raise NoUsableCheckpointError(
-            "every rank of the job failed at once: no survivor holds live state, host "
+            "every rank of the job failed before the recovery could complete (at once, "
+            "or one during the recovery from another): no survivor holds live state, host "
             "snapshots or replicas to recover from (a durable checkpoint, "
             "checkpoint.durable_every with api=trainer, survives this)")
     failed_step = min(step for step in steps if step is not None)
