@@ -135,8 +135,33 @@ def _fused_experts(model: nn.Module, container: str | None) -> dict[str, tuple[i
                               f"share an expert dimension 0 ({shapes}); assign them with "
                               "SparseCheckpointing(..., operators=...)")
         first = module.first_expert if isinstance(module, ExpertShard) else 0
+        count = next(iter(counts.values()), 0)
+        scored = _router_outputs(model, path)
+        if scored is not None and scored != count and not isinstance(module, ExpertShard):
+            warnings.warn(
+                f"fused experts module {path!r} holds {count} slices on dim 0, but its "
+                f"router scores {scored} experts: the rules take dim 0 as the expert "
+                "dimension (as in Hugging Face transformers and torchtitan), so each slice "
+                "becomes an operator and per-expert popularity does not apply. Recovery "
+                "stays exact; put the experts first for one operator per expert",
+                UserWarning, stacklevel=4)
         fused.update({f"{path}.{name}": (count, first) for name, count in counts.items()})
     return fused
+
+
+def _router_outputs(model: nn.Module, experts_path: str) -> int | None:
+    """How many experts the router beside ``experts_path`` scores: the rows of the first
+    2-D ``weight`` in it (``gate.weight`` in Hugging Face, ``router.gate.weight`` in
+    torchtitan), or None when there is no such router to read."""
+    parent_path = experts_path.rpartition(".")[0]
+    parent = model.get_submodule(parent_path) if parent_path else model
+    for name, child in parent.named_children():
+        if name not in ("gate", "router"):
+            continue
+        for param_name, param in child.named_parameters():
+            if param_name.rpartition(".")[2] == "weight" and param.dim() == 2:
+                return int(param.shape[0])
+    return None
 
 
 def _inside_block(block: str, layer: int, rest: str, param: nn.Parameter,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -244,3 +246,30 @@ def test_routers_without_discoverable_experts_warn() -> None:
     with pytest.warns(UserWarning, match="found routers but no experts"):
         registry = OperatorRegistry(model)
     assert not any(op.kind == "expert" for op in registry)
+
+
+
+class _ExpertsLast(torch.nn.Module):
+    """Fused experts stored ``[dim, ff, n_experts]``: the expert dimension last."""
+
+    def __init__(self, dim: int, ff: int, n_experts: int) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(dim, ff, n_experts))
+        self.w2 = torch.nn.Parameter(torch.randn(dim, ff, n_experts))  # used transposed
+
+
+def test_fused_experts_off_dim_0_warn_naming_both_counts() -> None:
+    from tests.anymodel.models import grouped_experts_moe
+
+    model = grouped_experts_moe(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # experts first, as the rules take them: no warning
+        OperatorRegistry(model)
+    for name, module in list(model.named_modules()):
+        if name.endswith(".experts"):
+            n_experts, ff, dim = module.get_parameter("w1").shape
+            model.get_submodule(name.rpartition(".")[0]).experts = _ExpertsLast(dim, ff,
+                                                                                 n_experts)
+    with pytest.warns(UserWarning, match=f"holds {dim} slices on dim 0, but its router "
+                                         f"scores {n_experts} experts"):
+        OperatorRegistry(model)
