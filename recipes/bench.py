@@ -259,8 +259,17 @@ def plot(rows: list[dict[str, Any]], ettr_rows: list[dict[str, Any]], path: Path
     plt.close(fig)
 
 
-def parse_args() -> tuple[argparse.Namespace, list[str]]:
-    """Options and Hydra overrides; bad values raise naming the option."""
+def is_override(token: str) -> bool:
+    """Whether a command-line token is a Hydra override (``key=value``,
+    ``policy:key=value``, ``+key=value``, ``~key``) rather than an option or its value."""
+    return not token.startswith("-") and ("=" in token or token.startswith("~"))
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """Options and Hydra overrides, in any order (an option taking several values, such
+    as ``--peers``, stops at the first override); bad values raise naming the option."""
+    tokens = sys.argv[1:] if argv is None else argv
+    overrides = [token for token in tokens if is_override(token)]
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="CI-sized: 24 steps, MTBF 3 steps, fault-free run of none only, "
@@ -295,7 +304,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
                         help="torch threads per training process and for the profile "
                              "(default: torch's; --quick: 1, robust on shared cores)")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench")
-    args, overrides = parser.parse_known_args()
+    args = parser.parse_args([token for token in tokens if not is_override(token)])
     args.steps = (24 if args.quick else 200) if args.steps is None else args.steps
     if args.mtbf_steps is None:
         args.mtbf_steps = 3.0 if args.quick else 10.0

@@ -135,8 +135,8 @@ def _fused_experts(model: nn.Module, container: str | None) -> dict[str, tuple[i
                               f"share an expert dimension 0 ({shapes}); assign them with "
                               "SparseCheckpointing(..., operators=...)")
         first = module.first_expert if isinstance(module, ExpertShard) else 0
-        count = next(iter(counts.values()), 0)
-        scored = _router_outputs(model, path)
+        count = next(iter(counts.values()), 0)  # 0: no parameters of its own (a container)
+        scored = _router_outputs(model, path) if count else None
         if scored is not None and scored != count and not isinstance(module, ExpertShard):
             warnings.warn(
                 f"fused experts module {path!r} holds {count} slices on dim 0, but its "

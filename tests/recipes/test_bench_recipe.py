@@ -143,6 +143,21 @@ def test_bench_refuses_bad_options_naming_them(tmp_path: Path,
     assert not (tmp_path / "x").exists()
 
 
+def test_overrides_may_follow_an_option_taking_several_values() -> None:
+    """The README's pp2 x ep2 command puts the layout after ``--peers`` (empty: no
+    peers); the overrides reach the runs and ``--peers`` keeps its own values."""
+    bench = _bench_module()
+    args, overrides = bench.parse_args(
+        ["--threads", "1", "--peers", "parallel.pp=2", "gemini:checkpoint.interval=5",
+         "--kind", "simulated", "kill", "~trainer.val_every", "--policies", "moevement"])
+    assert args.peers == [] and args.kind == ["simulated", "kill"]
+    assert args.policies == ["moevement"] and args.threads == 1
+    assert overrides == ["parallel.pp=2", "gemini:checkpoint.interval=5",
+                         "~trainer.val_every"]
+    with pytest.raises(SystemExit):  # an unknown option is an error, not an override
+        bench.parse_args(["--no-such-option"])
+
+
 def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
     """A slow repeat (the machine busy for minutes) moves both of its runs: the per-repeat
     ratio cancels it, the median over repeats drops an outlier."""

@@ -258,13 +258,14 @@ class _ExpertsLast(torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.randn(dim, ff, n_experts))  # used transposed
 
 
-def test_fused_experts_off_dim_0_warn_naming_both_counts() -> None:
+def test_fused_experts_off_dim_0_warn_naming_both_counts(tiny_cfg: MoEModelConfig) -> None:
     from tests.anymodel.models import grouped_experts_moe
 
     model = grouped_experts_moe(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # experts first, as the rules take them: no warning
         OperatorRegistry(model)
+        OperatorRegistry(MoETransformer(tiny_cfg))  # experts in a container of modules
     for name, module in list(model.named_modules()):
         if name.endswith(".experts"):
             n_experts, ff, dim = module.get_parameter("w1").shape
