@@ -243,7 +243,7 @@ def plot(rows: list[dict[str, Any]], ettr_rows: list[dict[str, Any]], path: Path
     left.bar([r["policy"] for r in rows], [r["vs_none"] for r in rows], color="tab:blue")
     left.axhline(1.0, color="black", linewidth=0.8)
     left.set_ylabel("median iteration time / none (fault-free)")
-    left.tick_params(axis="x", rotation=30)
+    plt.setp(left.get_xticklabels(), rotation=30, ha="right")  # peer names are long
     if ettr_rows:
         right, x = axes[0][1], np.arange(len(ettr_rows))
         series = (("ettr_measured", "measured"), ("ettr_same_failures", "sim, same failures"),
@@ -251,6 +251,7 @@ def plot(rows: list[dict[str, Any]], ettr_rows: list[dict[str, Any]], path: Path
         for offset, (key, label) in enumerate(series):
             right.bar(x + (offset - 1) * 0.27, [r[key] for r in ettr_rows], 0.27, label=label)
         right.set_xticks(x, [r["policy"] for r in ettr_rows])
+        plt.setp(right.get_xticklabels(), rotation=30, ha="right")
         right.set_ylim(0, 1.05)
         right.set_ylabel("ETTR with injected failures")
         right.legend(loc="lower right", fontsize=8)
