@@ -190,8 +190,13 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
             "overhead_pct": metrics.get("checkpoint_overhead_pct", 0.0),
             "snapshot_mb_per_iter": metrics.get("snapshot_bytes_per_iter", 0) / 2**20,
             "window": metrics.get("window"),
+            # Rank 0's replica peers: those on its node map its shared memory.
+            "replicas_copied": (len(metrics.get("replica_peers", []))
+                                - len(metrics.get("replica_peers_mapping", []))),
+            "replicas_mapped": len(metrics.get("replica_peers_mapping", [])),
             "host_mb": (metrics.get("host_snapshot_bytes_peak", 0)
-                        + metrics.get("replica_bytes", 0)) / 2**20,
+                        + metrics.get("replica_bytes", 0)
+                        + metrics.get("shared_slot_bytes_peak", 0)) / 2**20,
         })
     return rows
 
@@ -199,16 +204,25 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
 def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The fault-free overhead table."""
     lines = ["| policy | iteration ms (median) | vs none | vs none, per repeat "
-             "| stall ms (total) | overhead % | snapshot MiB/iter | W | k | host MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| stall ms (total) | overhead % | snapshot MiB/iter | W | k | replicas "
+             "| host MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         runs = " ".join(f"{ratio:.3f}" for ratio in row["vs_none_runs"])
         lines.append(f"| {row['policy']} | {row['iteration_ms']:.1f} | {row['vs_none']:.3f} "
                      f"| {runs} "
                      f"| {row['stall_ms_total']:.1f} | {row['overhead_pct']:.2f} "
                      f"| {row['snapshot_mb_per_iter']:.2f} | {row['window'] or '-'} "
-                     f"| {row.get('interval') or '-'} | {row['host_mb']:.1f} |")
+                     f"| {row.get('interval') or '-'} | {_replicas(row)} "
+                     f"| {row['host_mb']:.1f} |")
     return lines
+
+
+def _replicas(row: dict[str, Any]) -> str:
+    """How rank 0's snapshots are replicated: copies (other nodes), mappings (this node)."""
+    kinds = [f"{row[f'replicas_{kind}']} {kind}" for kind in ("copied", "mapped")
+             if row[f"replicas_{kind}"]]
+    return " + ".join(kinds) or "-"
 
 
 def memory_section(metrics: dict[str, Any], steps: int) -> tuple[list[str], dict[str, Any]]:

@@ -115,6 +115,7 @@ def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
                                checkpoint.warmup_iterations, checkpoint.durable_every,
                                checkpoint.durable_dir, checkpoint.durable_keep,
                                checkpoint.upstream_logging,
+                               same_node_replicas=checkpoint.same_node_replicas,
                                **checkpoint.options)
 
 

@@ -25,16 +25,32 @@ def test_replica_placement_prefers_other_nodes() -> None:
     assert replica_peers(0, 1, 2, ranks_per_node=1) == []
 
 
-def test_persisted_window_equals_its_replicas_and_memory_is_bounded() -> None:
+@pytest.mark.parametrize("ranks_per_node", [1, 4], ids=["copied", "mapped"])
+def test_persisted_window_equals_its_replicas_and_memory_is_bounded(
+        ranks_per_node: int) -> None:
+    # One rank per node: every replica is a copy. One node: every peer maps its sources'
+    # shared memory instead, and holds no copy of its own.
     steps, window = 30, 3  # ten windows: memory must stay bounded throughout
     settings = make_settings(2, 1, 2, steps=steps)
-    ranks = run_distributed(4, replication_check, settings, steps, window)["ranks"]
+    ranks = run_distributed(4, replication_check, settings, steps, window,
+                            ranks_per_node)["ranks"]
     for rank, report in enumerate(ranks):
         start = report["start"]
         assert start % window == 0 and steps - 2 * window <= start < steps
         assert max(report["windows_held"]) <= 3  # persisted + in flight (+ one lagging)
-        peers = replica_peers(rank, 4, 2, ranks_per_node=1)
+        peers = replica_peers(rank, 4, 2, ranks_per_node=ranks_per_node)
         assert len(peers) == 2
+        sources = [s for s in range(4) if rank in replica_peers(s, 4, 2, ranks_per_node)]
+        if ranks_per_node == 1:
+            assert report["mapped_sources"] == report["mapping_peers"] == []
+            assert report["mapped_bytes"] == report["slot_bytes"] == 0
+            assert report["copied_bytes"] > 0
+        else:
+            assert report["mapped_sources"] == sorted(sources)
+            assert report["mapping_peers"] == sorted(peers)
+            assert report["copied_bytes"] == 0 and report["mapped_bytes"] > 0
+            # Its own encoded snapshots: the four windows a peer may still read, plus spare.
+            assert 0 < report["slot_bytes"] <= 6 * report["window_bytes"]
         for peer in peers:
             copy = ranks[peer]["held"][rank]
             assert sorted(copy) == sorted(report["local"]), (rank, peer)

@@ -205,11 +205,11 @@ class RoundRobinPlanner(BasePlanner):
                            self.window, None)
 
 
-def replica_peers_of(rank: int) -> list[int]:
-    """Replica placement of the 4-rank, one-rank-per-node test world with 2 replicas."""
+def replica_peers_of(rank: int, ranks_per_node: int = 1) -> list[int]:
+    """Replica placement of the 4-rank test world with 2 replicas."""
     from lightning_moe_ckpt.checkpoint.replication import replica_peers
 
-    return replica_peers(rank, dist.get_world_size(), 2, ranks_per_node=1)
+    return replica_peers(rank, dist.get_world_size(), 2, ranks_per_node=ranks_per_node)
 
 
 def _corrupt_one_piece(replicas: Any, source: int, window_start: int) -> None:
@@ -228,9 +228,11 @@ def _corrupt_one_piece(replicas: Any, source: int, window_start: int) -> None:
     held[step] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def replication_check(settings: RunSettings, steps: int, window: int) -> dict[str, Any]:
+def replication_check(settings: RunSettings, steps: int, window: int,
+                      ranks_per_node: int = 1) -> dict[str, Any]:
     """Train with snapshots replicated to 2 peers; compare every rank's persisted window
-    with the copies its peers hold, and report host memory over the run."""
+    with the copies its peers hold (or, with all ranks on one node, the mappings of its
+    shared memory), and report host memory over the run."""
     from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
     from lightning_moe_ckpt.checkpoint.replication import CorruptCheckpointError, decode_snapshot
     from lightning_moe_ckpt.models.transformer import MoETransformer
@@ -240,7 +242,8 @@ def replication_check(settings: RunSettings, steps: int, window: int) -> dict[st
     with torch.device("meta"):
         names = OperatorRegistry(MoETransformer(settings.model)).names
     coordinator = CheckpointCoordinator(engine, RoundRobinPlanner(names, window), dist.get_rank(),
-                                        dist.get_world_size(), replicas=2, ranks_per_node=1,
+                                        dist.get_world_size(), replicas=2,
+                                        ranks_per_node=ranks_per_node,
                                         device=torch.device("cpu"))
     windows_held = []
     for t in range(steps):
@@ -264,7 +267,12 @@ def replication_check(settings: RunSettings, steps: int, window: int) -> dict[st
             for source in range(dist.get_world_size())}
     # The first holder's copy of rank 0's window gets a flipped value behind its checksum:
     # the fetch falls through to the second holder; once both copies are bad, it fails.
-    first, second = replica_peers_of(0)
+    first, second = replica_peers_of(0, ranks_per_node)
+    replica_figures = {"copied_bytes": replicator.replicas.nbytes(),
+                       "mapped_bytes": replicator.replicas.mapped_nbytes(),
+                       "mapped_sources": sorted(replicator.mapped_sources),
+                       "mapping_peers": sorted(replicator.mapping_peers),
+                       "slot_bytes": replicator.slot_bytes_peak()}
     if dist.get_rank() == first:
         _corrupt_one_piece(replicator.replicas, 0, common_start)
     fetched_despite_corrupt = sorted(replicator.fetch_window(0, common_start))
@@ -291,6 +299,7 @@ def replication_check(settings: RunSettings, steps: int, window: int) -> dict[st
                                         "fetched_despite_corrupt": fetched_despite_corrupt,
                                         "start": persisted.start,
                                         "windows_held": windows_held,
+                                        **replica_figures,
                                         "peak": coordinator.store.peak_bytes,
                                         "window_bytes": persisted.nbytes})
     coordinator.close()

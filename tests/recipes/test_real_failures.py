@@ -56,6 +56,10 @@ def test_dead_worker_is_replaced_and_training_ends_bitwise(
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = _assert_replaced(tmp_path, rank, cause, world=2)
     _assert_bitwise(golden_pp2, tmp_path, metrics)
+    # One node: rank 1 mapped rank 0's shared memory rather than copying it, and rank 0
+    # holds its replicas of rank 1 (the dead process's, then the replacement's) the same way.
+    assert metrics["replica_peers_mapping"] == [1] and metrics["replica_bytes"] == 0
+    assert metrics["replica_mapped_bytes"] > 0
 
 
 def test_a_worker_dying_while_warming_up_is_replaced_and_training_ends_bitwise(

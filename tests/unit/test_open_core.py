@@ -476,6 +476,8 @@ def test_a_failure_injector_without_its_checkpointing_callback_is_refused() -> N
     ({"replicas": "2"}, r"checkpoint\.replicas='2' must be an integer >= 0"),
     ({"warmup_iterations": 0}, r"checkpoint\.warmup_iterations=0 must be an integer >= 1"),
     ({"upstream_logging": "no"}, r"checkpoint\.upstream_logging='no' must be True or False"),
+    ({"same_node_replicas": True},
+     r"checkpoint\.same_node_replicas=True must be one of 'shared', 'copied'"),
     ({"top_k": None, "n_experts": 4}, r"unknown option\(s\) checkpoint\.n_experts"),
 ])
 def test_bad_callback_arguments_name_the_setting(options: dict[str, object],

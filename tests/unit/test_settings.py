@@ -83,6 +83,10 @@ def test_unknown_preset_names_group_and_value() -> None:
      r"checkpoint\.durable_every=1 has no effect with checkpoint=none"),
     (["checkpoint=lightning", "checkpoint.replicas=3"],
      r"checkpoint\.replicas=3 has no effect with checkpoint=lightning"),
+    (["checkpoint.same_node_replicas=mapped"],
+     r"checkpoint\.same_node_replicas='mapped' must be one of shared, copied"),
+    (["checkpoint=none", "+checkpoint.same_node_replicas=copied"],
+     r"checkpoint\.same_node_replicas='copied' has no effect with checkpoint=none"),
     (["+data.path=/tmp/corpus.txt"], r"data\.path='/tmp/corpus\.txt' is a setting of "
                                      r"data=textfile; data=stdlib does not use it"),
     (["data=textfile", "+data.val_percent=3"], r"data\.val_percent=3 is a setting of"),

@@ -47,6 +47,7 @@ from lightning_moe_ckpt.checkpoint.planners import (
 )
 from lightning_moe_ckpt.checkpoint.profiler import IterationProfiler, measure_bandwidth
 from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
+from lightning_moe_ckpt.checkpoint.shared_slots import SAME_NODE_REPLICAS
 from lightning_moe_ckpt.checkpoint.snapshot import restore_rng, rng_state
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
 from lightning_moe_ckpt.operators import OperatorOverride
@@ -101,6 +102,13 @@ def _ranks_per_node(fabric: Any) -> int:
     return max(1, fabric.world_size // max(1, nodes))
 
 
+def _logger_writes(trainer: L.Trainer) -> bool:
+    """Whether the loggers write the step metrics of the batch that just ended (checked in
+    ``on_train_batch_end``: one optimizer step per batch, so ``global_step`` counts it)."""
+    every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set at init
+    return every > 0 and (trainer.global_step % every == 0 or trainer.should_stop)
+
+
 class _ProfilingHook(StepHooks):
     """Measures the iteration period and, once warm, hands the planner its profile."""
 
@@ -146,7 +154,10 @@ class SparseCheckpointing(L.Callback, StepHooks):
     ``top_k`` and ``router_parser`` help routing telemetry read routers the built-in
     parsing does not understand (see :mod:`~lightning_moe_ckpt.targets.telemetry`).
     ``durable_every=N`` writes a dense Lightning checkpoint into ``durable_dir`` every N-th
-    persisted window and keeps the newest ``durable_keep`` of them.
+    persisted window and keeps the newest ``durable_keep`` of them. Each snapshot goes to
+    ``replicas`` peers, on other nodes first; a peer on this node maps the snapshot's shared
+    memory (``same_node_replicas="shared"``: it outlives this process, and no bytes are
+    copied) or receives a copy (``"copied"``).
     """
 
     records_for_replay = True  # its step hook logs the scalars a replay reuses
@@ -156,7 +167,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
                  durable_dir: str | None = None, durable_keep: int = 2,
                  upstream_logging: bool = True, operators: OperatorOverride | None = None,
                  top_k: int | None = None,
-                 router_parser: RouterParser | None = None, **options: Any) -> None:
+                 router_parser: RouterParser | None = None,
+                 same_node_replicas: str = "shared", **options: Any) -> None:
         known = setting_options(policy)  # raises for an unknown policy
         unknown = sorted(set(options) - known)
         require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)}"
@@ -168,6 +180,9 @@ class SparseCheckpointing(L.Callback, StepHooks):
                     f"{fmt(f'checkpoint.{key}', value)} must be an integer >= {least}")
         require(isinstance(upstream_logging, bool),
                 f"{fmt('checkpoint.upstream_logging', upstream_logging)} must be True or False")
+        require(same_node_replicas in SAME_NODE_REPLICAS,
+                f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
+                f"{', '.join(map(repr, SAME_NODE_REPLICAS))}")
         require(durable_every is None or (isinstance(durable_every, int) and durable_every >= 1),
                 f"{fmt('checkpoint.durable_every', durable_every)} must be an integer >= 1 "
                 "(or null: no durable checkpoints)")
@@ -186,6 +201,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self._first_step = 0  # windows starting before it are the initial-state snapshot
         self.policy = policy
         self.replicas = replicas
+        self.same_node_replicas = same_node_replicas
         self.warmup_iterations = warmup_iterations
         self.options = options
         self.coordinator: CheckpointCoordinator | None = None
@@ -259,7 +275,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self.coordinator = CheckpointCoordinator(
             target, planner, rank, world_size, self.replicas, ranks_per_node, device,
             copy_delay_s, initial_plan=initial if take_initial else None,
-            persist_dir=persist_dir)
+            persist_dir=persist_dir, share_same_node=self.same_node_replicas == "shared")
         if target.batch_log is not None:
             self.coordinator.store.release_listeners.append(target.batch_log.release_before)
         if self.upstream_log is not None and target.layout.pp > 1:
@@ -342,13 +358,16 @@ class SparseCheckpointing(L.Callback, StepHooks):
 
     def host_bytes(self) -> int:
         """Host bytes this rank's checkpointing holds now: its snapshots (and retained
-        saves), the replicas it keeps for peers and the upstream log."""
+        saves), their encodings in shared memory (mapped by peers on this node), the
+        copies it keeps for peers and the upstream log."""
         coordinator = self.coordinator
         held = 0 if self.upstream_log is None else self.upstream_log.nbytes()
         if coordinator is not None:
             held += coordinator.store.host_bytes()
             if coordinator.replica_store is not None:
                 held += coordinator.replica_store.nbytes()
+            if coordinator.replicator is not None:
+                held += coordinator.replicator.slot_bytes()
         return held
 
     def step_values(self) -> dict[str, float]:
@@ -420,9 +439,13 @@ class SparseCheckpointing(L.Callback, StepHooks):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        values = self.step_values()
-        if values:
-            pl_module.log_dict(values, rank_zero_only=True)
+        # Only where the loggers write (every log_every_n_steps-th step): Lightning keeps
+        # the last value of a step metric, so logging at every step writes the same rows
+        # and costs the training thread milliseconds per iteration.
+        if trainer.is_global_zero and _logger_writes(trainer):
+            values = self.step_values()
+            if values:
+                pl_module.log_dict(values, rank_zero_only=True)
         if self.durable_due():
             # The live state at the step the window persisted: the dense checkpoint that
             # converting the window and replaying up to this step would produce. Lightning's

@@ -1,8 +1,9 @@
 """Byte encoding of snapshots for replication and disk, piece by piece.
 
-An encoded snapshot is ``MAGIC``, then one blob per piece, then a header (``torch.save``
-of step, rank, window, metadata and, per piece, its kind, checksum and byte range), then
-the header's length as 8 little-endian bytes. A piece's blob is its layout (tensor names,
+An encoded snapshot is ``MAGIC``, then one blob per piece, then a header (pickled: step,
+rank, window, metadata and, per piece, its kind, checksum and byte range; a ``torch.save``
+of it behind the earlier magic, still read), then the header's length as 8 little-endian
+bytes. A piece's blob is its layout (tensor names,
 dtypes and shapes, pickled, behind its length) and then the tensors' raw bytes back to
 back in name order: encoding is one copy of the bytes, where a ``torch.save`` per piece
 (still read, from older encodings: the header says which) cost a zip archive each and
@@ -18,15 +19,20 @@ its encoded bytes (so a flipped bit outside the tensor data, in a name, a shape 
 container, is caught as well). :func:`decode_snapshot` verifies both and names rank,
 operator and iteration of a corrupt piece. Bytes without the magic prefix are read as the earlier
 single-``torch.save`` encoding.
+
+:func:`encode_snapshot_into` writes the same bytes into memory the caller provides (a
+shared-memory slot that same-node replica peers map, :mod:`.shared_slots`): the piece
+bytes are copied by torch, which releases the GIL, so the training thread keeps running.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import pickle
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -38,56 +44,136 @@ from lightning_moe_ckpt.checkpoint.snapshot import (
     tensor_checksum,
 )
 
-MAGIC = b"MOESNAP2"
+MAGIC = b"MOESNAP3"
+# The same framing with a ``torch.save`` header (a zip archive: 3x the time of a pickle for
+# the same header, on the replication thread for every snapshot); still read.
+_TORCH_HEADER_MAGIC = b"MOESNAP2"
 _LENGTH = struct.Struct("<Q")
 _LAYOUT_LENGTH = struct.Struct("<I")
 RAW_PIECES = "raw"  # the header's ``piece_format``: layout + raw bytes (absent: torch.save)
+_HEADER_GUESS = 1 << 16  # room left for the header when encoding into given memory
 
 
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint piece is missing or fails its checksum."""
 
 
-def encode_snapshot(snapshot: Snapshot) -> torch.Tensor:
-    """Serialise a snapshot (pieces, checksums, metadata) into a byte tensor."""
-    return encode_payload({
+def _snapshot_payload(snapshot: Snapshot) -> dict[str, Any]:
+    return {
         "step": snapshot.step, "rank": snapshot.rank,
         "window_start": snapshot.plan.window_start, "window": snapshot.plan.window,
         "metadata": snapshot.metadata,
         "pieces": {name: {"kind": piece.kind, "checksum": piece.checksum,
                           "tensors": piece.tensors,
-                          "raw": None if piece.buffers is None else piece.buffers.raw}
+                          "raw": None if piece.buffers is None else piece.buffers.raw,
+                          "block": None if piece.buffers is None else piece.buffers.block}
                    for name, piece in snapshot.pieces.items()},
-    })
+    }
+
+
+def encode_snapshot(snapshot: Snapshot) -> torch.Tensor:
+    """Serialise a snapshot (pieces, checksums, metadata) into a byte tensor."""
+    return encode_payload(_snapshot_payload(snapshot))
+
+
+class _MemoryWriter:
+    """``write``/``tell`` over caller-provided memory, as :class:`io.BytesIO` offers them."""
+
+    def __init__(self, memory: torch.Tensor) -> None:
+        self.memory = memory  # uint8
+        self.data = raw_bytes(memory)
+        self.offset = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        end = self.offset + len(data)
+        self.data[self.offset:end] = data
+        self.offset = end
+
+    def write_tensor(self, block: torch.Tensor) -> None:
+        """Append a contiguous tensor's bytes (a torch copy: the GIL is released)."""
+        end = self.offset + block.numel() * block.element_size()
+        self.memory[self.offset:end].copy_(block.reshape(-1).view(torch.uint8))
+        self.offset = end
+
+    def tell(self) -> int:
+        return self.offset
+
+
+def encoded_size_bound(snapshot: Snapshot, header_bytes: int) -> int:
+    """Bytes :func:`encode_snapshot_into` needs for ``snapshot`` when its header takes at
+    most ``header_bytes``."""
+    return (len(MAGIC) + header_bytes + _LENGTH.size
+            + sum(len(_layout_head(piece.tensors)) + piece.nbytes
+                  for piece in snapshot.pieces.values()))
+
+
+def encode_snapshot_into(snapshot: Snapshot,
+                         memory: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Encode ``snapshot`` as :func:`encode_snapshot` does, into ``memory(nbytes)`` (a uint8
+    tensor of at least ``nbytes``). The header's size is known only once the pieces are
+    written, so ``memory`` is asked again, for more, if the first one is too small for it
+    (then the pieces are written again). Returns the memory used and the encoded length."""
+    payload = _snapshot_payload(snapshot)
+    header_bytes = _HEADER_GUESS
+    while True:
+        target = memory(encoded_size_bound(snapshot, header_bytes))
+        writer = _MemoryWriter(target)
+        header = _write_pieces(writer, payload)
+        encoded = _header_bytes(header)
+        if writer.tell() + len(encoded) + _LENGTH.size <= target.numel():
+            writer.write(encoded)
+            writer.write(_LENGTH.pack(len(encoded)))
+            return target, writer.tell()
+        header_bytes = 2 * len(encoded)
 
 
 def encode_payload(payload: dict[str, Any]) -> torch.Tensor:
     """Encode a payload shaped like :func:`decode_snapshot`'s result (checksums as given)."""
     buffer = io.BytesIO()
-    buffer.write(MAGIC)
+    return _finish(buffer, _write_pieces(buffer, payload))
+
+
+def _write_pieces(writer: io.BytesIO | _MemoryWriter, payload: dict[str, Any]) -> dict[str, Any]:
+    """Write ``MAGIC`` and every piece's blob; returns the header that indexes them."""
+    writer.write(MAGIC)
     index: dict[str, dict[str, Any]] = {}
     for name, piece in payload["pieces"].items():
-        offset = buffer.tell()
-        frame = _write_piece(buffer, piece["tensors"], piece.get("raw"))
+        offset = writer.tell()
+        frame = _write_piece(writer, piece["tensors"], piece.get("raw"), piece.get("block"))
         index[name] = {"kind": piece["kind"], "checksum": piece["checksum"],
                        "frame_checksum": frame, "offset": offset,
-                       "length": buffer.tell() - offset}
-    return _finish(buffer, {**{k: v for k, v in payload.items() if k != "pieces"},
-                            "piece_format": RAW_PIECES, "pieces": index})
+                       "length": writer.tell() - offset}
+    return {**{k: v for k, v in payload.items() if k != "pieces"},
+            "piece_format": RAW_PIECES, "pieces": index}
 
 
-def _write_piece(buffer: io.BytesIO, tensors: Mapping[str, torch.Tensor],
-                 raw: tuple[memoryview, ...] | None) -> int:
+@functools.lru_cache(maxsize=4096)
+def _layout_head_of(layout: tuple[tuple[str, str, tuple[int, ...]], ...]) -> bytes:
+    pickled = pickle.dumps(list(layout), protocol=5)
+    return _LAYOUT_LENGTH.pack(len(pickled)) + pickled
+
+
+def _layout_head(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """A piece blob's start: its layout (names, dtypes, shapes in name order), pickled,
+    behind its length (cached: a piece of the same layout recurs every window)."""
+    return _layout_head_of(tuple((name, str(tensors[name].dtype).removeprefix("torch."),
+                                  tuple(tensors[name].shape)) for name in sorted(tensors)))
+
+
+def _write_piece(writer: io.BytesIO | _MemoryWriter, tensors: Mapping[str, torch.Tensor],
+                 raw: tuple[memoryview, ...] | None, block: torch.Tensor | None) -> int:
     """Append one piece's blob (layout, then the tensors' bytes in name order; ``raw``:
-    those bytes already in place) to ``buffer``; returns the blob's CRC32C."""
-    names = sorted(tensors)
-    layout = pickle.dumps([(name, str(tensors[name].dtype).removeprefix("torch."),
-                            tuple(tensors[name].shape)) for name in names], protocol=5)
-    head = _LAYOUT_LENGTH.pack(len(layout)) + layout
-    buffer.write(head)
+    those bytes already in place, ``block``: the same as one tensor) to ``writer``; returns
+    the blob's CRC32C."""
+    head = _layout_head(tensors)
+    writer.write(head)
     crc = bytes_checksum(head)
-    for data in raw if raw is not None else (raw_bytes(tensors[n].contiguous()) for n in names):
-        buffer.write(data)
+    if block is not None and isinstance(writer, _MemoryWriter):
+        writer.write_tensor(block)
+        return bytes_checksum(raw_bytes(block), crc)
+    for data in raw if raw is not None else (raw_bytes(tensors[n].contiguous())
+                                             for n in sorted(tensors)):
+        writer.write(data)
         crc = bytes_checksum(data, crc)
     return crc
 
@@ -108,10 +194,14 @@ def _read_piece(blob: memoryview) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _header_bytes(header: dict[str, Any]) -> bytes:
+    return pickle.dumps(header, protocol=5)
+
+
 def _finish(buffer: io.BytesIO, header: dict[str, Any]) -> torch.Tensor:
-    start = buffer.tell()
-    torch.save(header, buffer)
-    buffer.write(_LENGTH.pack(buffer.tell() - start))
+    encoded = _header_bytes(header)
+    buffer.write(encoded)
+    buffer.write(_LENGTH.pack(len(encoded)))
     # Zero-copy: the tensor keeps the BytesIO's memory alive (torch.frombuffer holds a
     # reference to the exporting buffer).
     return torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
@@ -123,14 +213,15 @@ def _bytes(data: torch.Tensor) -> memoryview:
 
 
 def _is_framed(raw: bytes | memoryview) -> bool:
-    return bytes(raw[:len(MAGIC)]) == MAGIC
+    return bytes(raw[:len(MAGIC)]) in (MAGIC, _TORCH_HEADER_MAGIC)
 
 
 def _header(raw: memoryview) -> dict[str, Any]:
     (length,) = _LENGTH.unpack(raw[-_LENGTH.size:])
     start = len(raw) - _LENGTH.size - length
-    header: dict[str, Any] = torch.load(io.BytesIO(raw[start:start + length]),
-                                        weights_only=False)
+    encoded = raw[start:start + length]
+    header: dict[str, Any] = (pickle.loads(encoded) if bytes(raw[:len(MAGIC)]) == MAGIC
+                              else torch.load(io.BytesIO(encoded), weights_only=False))
     return header
 
 

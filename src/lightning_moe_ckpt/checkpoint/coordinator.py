@@ -55,7 +55,7 @@ class CheckpointCoordinator(StepHooks):
     def __init__(self, target: TrainingTarget, planner: Planner, rank: int, world_size: int,
                  replicas: int, ranks_per_node: int, device: torch.device,
                  copy_delay_s: float = 0.0, initial_plan: CapturePlan | None = None,
-                 persist_dir: str | None = None) -> None:
+                 persist_dir: str | None = None, share_same_node: bool = True) -> None:
         self.target = target
         self.planner = planner
         self.rank = rank
@@ -73,12 +73,18 @@ class CheckpointCoordinator(StepHooks):
         store_type = RetainingSnapshotStore if partial else SnapshotStore
         self.store = store_type(self.pool, 1 if self.persister else effective)
         self._replication_args = (effective, ranks_per_node, acknowledge)
+        self.share_same_node = share_same_node
         self.replicator = (Replicator(effective, ranks_per_node, acknowledge,
-                                      RetainingReplicaStore() if partial else None)
+                                      RetainingReplicaStore() if partial else None,
+                                      share_same_node)
                            if effective > 0 and self.persister is None else None)
         self.replica_store = None if self.replicator is None else self.replicator.replicas
-        # Deterministic placement, recorded in metrics.json.
+        # Deterministic placement, recorded in metrics.json, with the peers (on this node)
+        # that map this rank's snapshots rather than copy them.
         self.replica_peers = [] if self.replicator is None else list(self.replicator.peers)
+        self.replica_peers_mapping = ([] if self.replicator is None
+                                      else sorted(self.replicator.mapping_peers))
+        self._slot_bytes_before = 0  # peaks of the replicators before a re-formed group's
         # Typed arrays: 8 bytes a step, where a list holds a Python number object per step.
         self.bytes_per_step: array[int] = array("q")
         self.stall_per_step: array[float] = array("d")
@@ -227,6 +233,7 @@ class CheckpointCoordinator(StepHooks):
         self.store.discard_all()
         if self.replicator is not None:
             self.replicator.replicas.clear()
+            self.replicator.abandon_slots()  # in a live process: the peers' copies stay intact
 
     def reform_replication(self) -> None:
         """The process groups were formed anew: replicate over a new group, keeping the
@@ -235,7 +242,11 @@ class CheckpointCoordinator(StepHooks):
         if old is None:
             return
         old.close(timeout_s=10.0)  # its thread stopped at the broken group, or idles
-        self.replicator = Replicator(*self._replication_args, old.replicas)
+        old.abandon_slots()
+        self._slot_bytes_before = max(self._slot_bytes_before, old.slot_bytes_peak())
+        self.replicator = Replicator(*self._replication_args, old.replicas,
+                                     self.share_same_node)
+        self.replica_peers_mapping = sorted(self.replicator.mapping_peers)
         self.replicator.before_payload = old.before_payload
 
     def restart(self, failed_step: int) -> None:
@@ -243,6 +254,8 @@ class CheckpointCoordinator(StepHooks):
         at ``failed_step``, and a dense base snapshot is the recovery point until it
         persists."""
         self.store.discard_all()
+        if self.replicator is not None:  # peers may fetch the superseded windows again
+            self.replicator.abandon_slots()
         self.planner.on_recovery(failed_step)
         self.take_base_snapshot()
 
@@ -255,6 +268,8 @@ class CheckpointCoordinator(StepHooks):
         if self.replicator is not None:
             self.max_replication_lag = max(self.max_replication_lag, self.replicator.lag)
             self.replicator.close()
+            self.replicator.abandon_slots()
+            self._slot_bytes_before = self.slot_bytes_peak()
             self.replicator = None
         if self.persister is not None:
             self.persister.close()
@@ -265,6 +280,11 @@ class CheckpointCoordinator(StepHooks):
         """Flush and stop background threads."""
         self.flush()
         self.snapshots.close()
+
+    def slot_bytes_peak(self) -> int:
+        """Most shared memory this rank's encoded snapshots occupied (for mapping peers)."""
+        current = 0 if self.replicator is None else self.replicator.slot_bytes_peak()
+        return max(self._slot_bytes_before, current)
 
     def replica_window(self, source: int, window_start: int) -> dict[int, torch.Tensor]:
         """Serialized snapshots of ``source``'s window that this rank holds as a peer."""
@@ -288,8 +308,12 @@ class CheckpointCoordinator(StepHooks):
             "host_snapshot_bytes_peak": self.store.peak_bytes,
             "host_buffer_bytes": self.pool.allocated_bytes,
             "replica_bytes": 0 if self.replica_store is None else self.replica_store.nbytes(),
+            "replica_mapped_bytes": (0 if self.replica_store is None
+                                     else self.replica_store.mapped_nbytes()),
+            "shared_slot_bytes_peak": self.slot_bytes_peak(),
             "replication_lag_max": self.max_replication_lag,
             "replica_peers": self.replica_peers,
+            "replica_peers_mapping": self.replica_peers_mapping,
             "snapshots_taken": self.snapshots_taken,
             "snapshots_replicated": self.snapshots_confirmed,
             "pieces_issued": self.snapshots.pieces_issued,

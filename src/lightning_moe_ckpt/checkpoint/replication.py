@@ -8,6 +8,13 @@ background thread. Every rank takes snapshots at the same steps, so every rank's
 processes the same sequence and sends match receives. A snapshot counts as replicated
 once all its sends completed; the store persists a window when all its snapshots are.
 
+A peer on the same node (``share_same_node``, tested with a probe at set-up) maps the
+snapshot's shared-memory slot instead of receiving a copy (:mod:`.shared_slots`): it is
+sent the slot's handle, and holds the source's bytes for as long as it keeps them, after
+the source's death too. Each snapshot goes out as a handle to every peer first (the
+payload's length, and for a mapping peer where to find it); then the copying peers receive
+the bytes while the mapping peers, having mapped the slot, acknowledge it.
+
 Peers keep the serialized snapshots of each source rank (encoded piece by piece, see
 :mod:`~lightning_moe_ckpt.checkpoint.codec`); :func:`decode_snapshot` restores one and
 checks every piece's checksum, and :func:`verify_window` refuses a window with a
@@ -30,6 +37,15 @@ from lightning_moe_ckpt.checkpoint.codec import (
     CorruptCheckpointError,
     decode_snapshot,
     encode_snapshot,
+    encode_snapshot_into,
+)
+from lightning_moe_ckpt.checkpoint.shared_slots import (
+    SharedSlot,
+    SlotHandle,
+    SlotMapper,
+    SlotRing,
+    mappable_sources,
+    slot_key,
 )
 from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
 
@@ -76,22 +92,38 @@ class ReplicaStore:
     windows: dict[int, dict[int, dict[int, torch.Tensor]]] = field(
         default_factory=lambda: defaultdict(dict))  # source -> window start -> step -> bytes
     spare: dict[int, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
+    # Snapshots held as a mapping of the source's shared memory, by (source, start, step):
+    # the slot they lie in. Never written to, never reused as a receive buffer.
+    mapped: dict[tuple[int, int, int], tuple[int, int, int]] = field(default_factory=dict)
 
-    def put(self, source: int, window_start: int, step: int, data: torch.Tensor) -> None:
-        """Keep a received snapshot; drop that source's windows older than the previous."""
+    def put(self, source: int, window_start: int, step: int, data: torch.Tensor,
+            slot: tuple[int, int, int] | None = None) -> None:
+        """Keep a received snapshot (``slot``: a mapping of the source's slot, not a copy);
+        drop that source's windows older than the previous."""
         held = self.windows[source]
         held.setdefault(window_start, {})[step] = data
+        if slot is not None:
+            self.mapped[(source, window_start, step)] = slot
+        else:
+            self.mapped.pop((source, window_start, step), None)
         starts = sorted(held)
         for start in starts[:-2]:
-            for payload in held.pop(start).values():
+            for dropped_step, payload in held.pop(start).items():
+                if self.mapped.pop((source, start, dropped_step), None) is not None:
+                    continue
                 spare = self.spare[payload.numel()]
                 if len(spare) < _SPARE_BUFFERS:
                     spare.append(payload)
+
+    def mapped_slots(self) -> set[tuple[int, int, int]]:
+        """The source slots the held snapshots lie in."""
+        return set(self.mapped.values())
 
     def clear(self) -> None:
         """Drop everything held for every source (a dead worker's host memory)."""
         self.windows.clear()
         self.spare.clear()
+        self.mapped.clear()
 
     def buffer(self, size: int) -> torch.Tensor:
         """A host buffer of ``size`` bytes to receive a payload into."""
@@ -103,10 +135,17 @@ class ReplicaStore:
         return dict(self.windows.get(source, {}).get(window_start, {}))
 
     def nbytes(self) -> int:
-        """Bytes held for all sources, spare receive buffers included."""
-        return (sum(t.numel() for held in self.windows.values() for steps in held.values()
-                    for t in steps.values())
+        """Bytes this rank holds for all sources, spare receive buffers included (mapped
+        snapshots are the sources' memory: :meth:`mapped_nbytes`)."""
+        return (sum(t.numel() for source, held in self.windows.items()
+                    for start, steps in held.items() for step, t in steps.items()
+                    if (source, start, step) not in self.mapped)
                 + sum(t.numel() for spare in self.spare.values() for t in spare))
+
+    def mapped_nbytes(self) -> int:
+        """Bytes of snapshots held as mappings of the sources' shared memory."""
+        return sum(self.windows[source][start][step].numel()
+                   for source, start, step in self.mapped)
 
 
 class Replicator:
@@ -114,7 +153,8 @@ class Replicator:
 
     def __init__(self, replicas: int, ranks_per_node: int,
                  on_replicated: Callable[[int, int], None],
-                 replica_store: ReplicaStore | None = None) -> None:
+                 replica_store: ReplicaStore | None = None,
+                 share_same_node: bool = True) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.replica_count, self.ranks_per_node = replicas, ranks_per_node
@@ -124,11 +164,20 @@ class Replicator:
                         if self.rank in replica_peers(s, self.world_size, replicas,
                                                       ranks_per_node)]
         self.replicas = replica_store if replica_store is not None else ReplicaStore()
+        node = self.rank // ranks_per_node
+        same_node = ({s for s in self.sources if s // ranks_per_node == node}
+                     if share_same_node else set())
+        # Sources whose slots this rank maps, and peers that map this rank's slots.
+        self.mapped_sources, self.mapping_peers = mappable_sources(self.group, self.sources,
+                                                                   same_node)
+        self.slots = SlotRing() if self.mapping_peers else None
+        self.mapper = SlotMapper()
         self.on_replicated = on_replicated
         # Called in the replication thread with a snapshot's step once the sizes went out
         # and before its payload does: where a real fault "during replication" strikes.
         self.before_payload: Callable[[int], None] | None = None
-        self.lag = 0
+        self.submitted = 0
+        self.completed = 0
         # A transfer that failed (a peer died): the thread stops and drain() returns.
         self.error: BaseException | None = None
         self._queue: queue.Queue[Snapshot | None] = queue.Queue()
@@ -136,9 +185,14 @@ class Replicator:
                                         daemon=True)
         self._thread.start()
 
+    @property
+    def lag(self) -> int:
+        """Snapshots submitted and not yet replicated (each count has one writer)."""
+        return self.submitted - self.completed
+
     def submit(self, snapshot: Snapshot) -> None:
         """Replicate ``snapshot`` once its copies are checksummed."""
-        self.lag += 1
+        self.submitted += 1
         self._queue.put(snapshot)
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -201,7 +255,8 @@ class Replicator:
                 continue
             try:
                 self._replicate(snapshot)
-            except (RuntimeError, dist.DistBackendError) as error:
+            except (RuntimeError, dist.DistBackendError, OSError) as error:
+                # OSError: a source died before this rank could map its slot.
                 self.error = error
             self._queue.task_done()
         self._queue.task_done()
@@ -209,22 +264,69 @@ class Replicator:
     def _replicate(self, snapshot: Snapshot) -> None:
         """Send ``snapshot`` to the peers and receive the sources' of the same step."""
         snapshot.checksummed.wait()
-        data = encode_snapshot(snapshot)
-        sizes = {s: torch.zeros(1, dtype=torch.int64) for s in self.sources}
-        ops = [dist.P2POp(dist.irecv, sizes[s], s, self.group) for s in self.sources]
-        ops += [dist.P2POp(dist.isend, torch.tensor([data.numel()]), p, self.group)
-                for p in self.peers]
+        data, handle = self._encode(snapshot)
+        handles = {s: torch.zeros(SlotHandle.FIELDS, dtype=torch.int64) for s in self.sources}
+        ops = [dist.P2POp(dist.irecv, handles[s], s, self.group) for s in self.sources]
+        ops += [dist.P2POp(dist.isend, handle.as_tensor(), p, self.group) for p in self.peers]
         _wait(ops)
+        announced = {s: SlotHandle.from_tensor(handles[s]) for s in self.sources}
+        # Mapped before the acknowledgement goes back: from then on the source may let go
+        # of the slot's file descriptor (its memory lives on in the mapping).
+        mapped = {s: self.mapper.view(announced[s]) for s in self.mapped_sources}
         if self.before_payload is not None:
             self.before_payload(snapshot.step)
-        received = {s: self.replicas.buffer(int(sizes[s])) for s in self.sources}
-        ops = [dist.P2POp(dist.irecv, received[s], s, self.group) for s in self.sources]
-        ops += [dist.P2POp(dist.isend, data, p, self.group) for p in self.peers]
+        received = {s: self.replicas.buffer(announced[s].length) for s in self.sources
+                    if s not in self.mapped_sources}
+        acks = {p: torch.zeros(1, dtype=torch.int64) for p in self.mapping_peers}
+        ops = [dist.P2POp(dist.irecv, buffer, s, self.group) for s, buffer in received.items()]
+        ops += [dist.P2POp(dist.isend, _MAPPED, s, self.group) for s in mapped]
+        ops += [dist.P2POp(dist.isend, data, p, self.group) for p in self.peers
+                if p not in self.mapping_peers]
+        ops += [dist.P2POp(dist.irecv, ack, p, self.group) for p, ack in acks.items()]
         _wait(ops)
+        start = snapshot.plan.window_start
         for source, payload in received.items():
-            self.replicas.put(source, snapshot.plan.window_start, snapshot.step, payload)
-        self.lag -= 1
-        self.on_replicated(snapshot.plan.window_start, snapshot.step)
+            self.replicas.put(source, start, snapshot.step, payload)
+        for source, view in mapped.items():
+            self.replicas.put(source, start, snapshot.step, view,
+                              slot=slot_key(announced[source]))
+        if mapped:
+            self.mapper.keep_only(self.replicas.mapped_slots())
+        self.completed += 1
+        self.on_replicated(start, snapshot.step)
+
+    def _encode(self, snapshot: Snapshot) -> tuple[torch.Tensor, SlotHandle]:
+        """The encoded snapshot, in a shared slot when some peer maps this rank's."""
+        if self.slots is None:
+            data = encode_snapshot(snapshot)
+            return data, SlotHandle(data.numel(), 0, 0, 0, 0, 0)
+        slots = self.slots
+        used: list[SharedSlot] = []
+
+        def memory(nbytes: int) -> torch.Tensor:
+            used.append(slots.acquire(snapshot.plan.window_start, nbytes))
+            return used[-1].view(used[-1].capacity)
+
+        target, length = encode_snapshot_into(snapshot, memory)
+        return target[:length], used[-1].handle(length)
+
+    def abandon_slots(self) -> None:
+        """Encode the next snapshots into new slots: peers may still need the bytes in the
+        current ones (a recovery superseded them, or took this rank's memory)."""
+        if self.slots is not None:
+            self.slots.abandon()
+
+    def slot_bytes(self) -> int:
+        """Shared memory this rank's encoded snapshots occupy now."""
+        return 0 if self.slots is None else self.slots.nbytes()
+
+    def slot_bytes_peak(self) -> int:
+        """Most shared memory this rank's snapshots occupied at once (for the peers that
+        map them)."""
+        return 0 if self.slots is None else self.slots.peak_bytes
+
+
+_MAPPED = torch.ones(1, dtype=torch.int64)  # a peer's acknowledgement: it maps the slot
 
 
 def _wait(ops: list[dist.P2POp]) -> None:

@@ -103,10 +103,11 @@ class RetainingReplicaStore(ReplicaStore):
         default_factory=lambda: defaultdict(dict))
 
     @override
-    def put(self, source: int, window_start: int, step: int, data: torch.Tensor) -> None:
+    def put(self, source: int, window_start: int, step: int, data: torch.Tensor,
+            slot: tuple[int, int, int] | None = None) -> None:
         held = self.windows[source]
         before = {(start, s): d for start, steps in held.items() for s, d in steps.items()}
-        super().put(source, window_start, step, data)
+        super().put(source, window_start, step, data, slot)
         kept = {(start, s) for start, steps in held.items() for s in steps}
         masters = self.masters[source]
         masters[(window_start, step)] = tuple(

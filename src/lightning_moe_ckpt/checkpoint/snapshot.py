@@ -132,6 +132,7 @@ class PieceBuffers:
     names_crc: int
     behind: tuple[torch.Tensor, ...]  # targets of the layout's behind_sources, in order
     at_issue: tuple[torch.Tensor, ...]  # targets of its at_issue_sources, in order
+    block: torch.Tensor | None = None  # the one uint8 block ``raw`` reads, when packed
 
     @classmethod
     def allocate(cls, layout: PieceLayout, pin_memory: bool) -> PieceBuffers:
@@ -150,12 +151,13 @@ class PieceBuffers:
                                              strict=True)}
             raw: tuple[memoryview, ...] = (raw_bytes(block),)
         else:
+            block = None
             tensors = {name: torch.empty(s.shape, dtype=s.dtype, pin_memory=pin_memory)
                        for name, s in zip(layout.names, layout.sources, strict=True)}
             raw = tuple(raw_bytes(t) for t in tensors.values())
         return cls(layout.key, tensors, raw, names_checksum(layout.names),
                    tuple(tensors[n] for n in layout.names if n not in layout.at_issue),
-                   tuple(tensors[n] for n in layout.names if n in layout.at_issue))
+                   tuple(tensors[n] for n in layout.names if n in layout.at_issue), block)
 
     def checksum(self) -> int:
         """:func:`tensor_checksum` of :attr:`tensors`, from the prepared views."""

@@ -13,6 +13,7 @@ from typing import Any, Literal, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_moe_ckpt.checkpoint.shared_slots import SAME_NODE_REPLICAS
 from lightning_moe_ckpt.data.corpus import BYTE_VOCAB_SIZE
 from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
 from lightning_moe_ckpt.models.config import MoEModelConfig
@@ -22,7 +23,7 @@ from lightning_moe_ckpt.precision import Precision, parse_precision
 Api = Literal["trainer", "fabric"]
 DATA_SOURCES = ("stdlib", "textfile")
 COMMON_CHECKPOINT_KEYS = ("durable_dir", "durable_every", "durable_keep", "replicas",
-                          "upstream_logging", "warmup_iterations")
+                          "same_node_replicas", "upstream_logging", "warmup_iterations")
 PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "schedule", "spares")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
                 "seed", "val_batches", "val_every")
@@ -82,6 +83,7 @@ class CheckpointSettings:
     durable_dir: str | None = None
     upstream_logging: bool = True
     durable_keep: int = 2
+    same_node_replicas: str = "shared"  # a peer on the same node maps the snapshot, or copies it
 
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
@@ -99,6 +101,10 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     durable_dir = values.pop("durable_dir", None)
     durable_keep = values.pop("durable_keep", 2)
     upstream_logging = values.pop("upstream_logging", True)
+    same_node_replicas = values.pop("same_node_replicas", "shared")
+    require(same_node_replicas in SAME_NODE_REPLICAS,
+            f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
+            f"{', '.join(SAME_NODE_REPLICAS)}")
     require(isinstance(upstream_logging, bool),
             f"{fmt('checkpoint.upstream_logging', upstream_logging)} must be true or false")
     unknown = sorted(set(values) - known)
@@ -113,12 +119,15 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
         require(given.get("replicas", 0) == 0,
                 f"{fmt('checkpoint.replicas', replicas)} has no effect with "
                 f"checkpoint={policy}, which keeps no replicas; leave it at 0")
+        require("same_node_replicas" not in given,
+                f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} has no effect "
+                f"with checkpoint={policy}, which keeps no replicas; leave it out")
         require(durable_every is None,
                 f"{fmt('checkpoint.durable_every', durable_every)} has no effect with "
                 f"checkpoint={policy}; durable checkpoints come with the sparse and dense "
                 "in-memory policies")
     return CheckpointSettings(policy, replicas, warmup, values, durable_every, durable_dir,
-                              upstream_logging, durable_keep)
+                              upstream_logging, durable_keep, same_node_replicas)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,225 @@
+"""Shared-memory slots: a replica peer on the same node holds a snapshot without a copy.
+
+A replica exists to outlive its source. A peer on another node outlives a node failure and
+must hold a copy; a peer on the same node dies with the node like the source, so all it
+can outlive is the source *process* — and for that a copy is not needed: memory that
+another process maps outlives the process that wrote it. So each rank encodes a snapshot
+once, into a :class:`SharedSlot` (anonymous shared memory from ``memfd_create``), and a
+same-node peer maps that slot (``/proc/<pid>/fd/<fd>``, :class:`SlotMapper`) instead of
+receiving the bytes over the network: replication sends it a handle of six integers
+(:class:`SlotHandle`), not the payload. The mapping keeps the bytes alive after the source
+dies, SIGKILL included, for as long as the peer holds them; nothing is named in a file
+system, so nothing is left behind when processes die. Remote peers receive the slot's
+bytes as before, so encoding into a slot costs them nothing extra.
+
+Slots are reused (:class:`SlotRing`): a peer keeps a source's two newest windows, and it
+has filed the snapshot before last by the time the source encodes the next one (each
+exchange waits for the previous one), so a slot is rewritten only four window changes
+after it was filled. A rank whose snapshots a recovery superseded, or whose host memory a
+simulated failure took, abandons its slots (:meth:`SlotRing.abandon`) instead: the peers'
+mappings keep the old bytes for as long as they need them, and new snapshots go to new slots.
+
+Whether a peer can map a source's memory (same node and PID namespace, an OS that allows
+it) is tested once per replication group with a random token (:func:`mappable_sources`);
+where it cannot, the bytes are copied as to a remote node.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# ``checkpoint.same_node_replicas``: a same-node peer maps the snapshot, or copies it.
+SAME_NODE_REPLICAS = ("shared", "copied")
+
+_PAGE = 1 << 16  # slot capacities are rounded up to this
+_KEEP_EPOCHS = 4  # window changes a slot's bytes must survive (see the module docstring)
+_FREE_SLOTS = 4  # unused slots kept for reuse
+_PROBE_BYTES = 16
+
+
+@dataclass(frozen=True)
+class SlotHandle:
+    """Where a snapshot's encoded bytes lie: ``length`` bytes at the start of slot
+    ``serial`` of process ``pid`` (file descriptor ``fd``, ``capacity`` bytes), whose
+    random ``token`` tells this process's slots from an earlier one's with the same pid."""
+
+    length: int
+    pid: int
+    fd: int
+    serial: int
+    capacity: int
+    token: int
+
+    FIELDS = 6
+
+    def as_tensor(self) -> torch.Tensor:
+        """The handle as the int64 tensor replication sends."""
+        return torch.tensor([self.length, self.pid, self.fd, self.serial, self.capacity,
+                             self.token], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, values: torch.Tensor) -> SlotHandle:
+        """Inverse of :meth:`as_tensor`."""
+        length, pid, fd, serial, capacity, token = (int(v) for v in values.tolist())
+        return cls(length, pid, fd, serial, capacity, token)
+
+
+def _process_token() -> int:
+    return secrets.randbits(62)
+
+
+class SharedSlot:
+    """One block of anonymous shared memory this process encodes snapshots into."""
+
+    def __init__(self, serial: int, capacity: int, token: int) -> None:
+        self.serial = serial
+        self.capacity = capacity
+        self.token = token
+        self.fd = os.memfd_create(f"moe-snapshot-{serial}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, capacity)
+        self.memory = mmap.mmap(self.fd, capacity)
+        self.data = memoryview(self.memory)  # writes go through here
+        self.epoch = -1
+
+    def handle(self, length: int) -> SlotHandle:
+        """The handle of this slot's first ``length`` bytes."""
+        return SlotHandle(length, os.getpid(), self.fd, self.serial, self.capacity, self.token)
+
+    def view(self, length: int) -> torch.Tensor:
+        """The first ``length`` bytes as a uint8 tensor (no copy)."""
+        return torch.frombuffer(self.memory, dtype=torch.uint8, count=length)
+
+    def close(self) -> None:
+        """Give up the file descriptor; the memory lives on while anyone maps it."""
+        self.data.release()
+        os.close(self.fd)
+
+
+class SlotRing:
+    """The slots one rank encodes its snapshots into, reused once peers let go of them."""
+
+    def __init__(self) -> None:
+        self.token = _process_token()
+        self._serial = 0
+        self._epoch = 0
+        self._window_start: int | None = None
+        self.in_use: list[SharedSlot] = []
+        self.free: list[SharedSlot] = []
+        self.allocations = 0
+        self.peak_bytes = 0
+
+    def acquire(self, window_start: int, nbytes: int) -> SharedSlot:
+        """A slot of at least ``nbytes`` for a snapshot of the window at ``window_start``."""
+        if window_start != self._window_start:
+            self._window_start = window_start
+            self._epoch += 1
+            released = [s for s in self.in_use if s.epoch <= self._epoch - _KEEP_EPOCHS]
+            self.in_use = [s for s in self.in_use if s.epoch > self._epoch - _KEEP_EPOCHS]
+            self.free.extend(released)
+        fitting = [s for s in self.free if s.capacity >= nbytes]
+        if fitting:
+            slot = min(fitting, key=lambda s: s.capacity)
+            self.free.remove(slot)
+        else:
+            capacity = -(-(nbytes + nbytes // 16) // _PAGE) * _PAGE
+            self._serial += 1
+            self.allocations += 1
+            slot = SharedSlot(self._serial, capacity, self.token)
+            self.peak_bytes = max(self.peak_bytes, self.nbytes() + capacity)
+        while len(self.free) > _FREE_SLOTS:  # the smallest are the least likely to fit
+            smallest = min(self.free, key=lambda s: s.capacity)
+            self.free.remove(smallest)
+            smallest.close()
+        slot.epoch = self._epoch
+        self.in_use.append(slot)
+        return slot
+
+    def abandon(self) -> None:
+        """Stop writing into every slot: peers may still read them (a recovery fetches from
+        them), so new snapshots go to new slots."""
+        for slot in [*self.in_use, *self.free]:
+            slot.close()
+        self.in_use, self.free = [], []
+        self._window_start = None
+
+    def nbytes(self) -> int:
+        """Bytes of shared memory this rank holds for its snapshots."""
+        return sum(s.capacity for s in [*self.in_use, *self.free])
+
+
+class SlotMapper:
+    """A peer's mappings of its same-node sources' slots, opened once per slot."""
+
+    def __init__(self) -> None:
+        self._mapped: dict[tuple[int, int, int], mmap.mmap] = {}  # (pid, token, serial)
+
+    def view(self, handle: SlotHandle) -> torch.Tensor:
+        """The bytes ``handle`` names, as a uint8 tensor over the source's memory; the
+        mapping lives as long as the tensor (and its views)."""
+        key = (handle.pid, handle.token, handle.serial)
+        memory = self._mapped.get(key)
+        if memory is None:
+            memory = _map(handle.pid, handle.fd, handle.capacity)
+            self._mapped[key] = memory
+        return torch.frombuffer(memory, dtype=torch.uint8, count=handle.length)
+
+    def keep_only(self, handles: set[tuple[int, int, int]]) -> None:
+        """Forget mappings of slots no held snapshot lies in (their views, if any, keep
+        them mapped)."""
+        for key in [k for k in self._mapped if k not in handles]:
+            del self._mapped[key]
+
+
+def slot_key(handle: SlotHandle) -> tuple[int, int, int]:
+    """The key :class:`SlotMapper` files ``handle``'s slot under."""
+    return (handle.pid, handle.token, handle.serial)
+
+
+def _map(pid: int, fd: int, capacity: int) -> mmap.mmap:
+    descriptor = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    try:
+        return mmap.mmap(descriptor, capacity)
+    finally:
+        os.close(descriptor)  # the mapping holds the memory from here on
+
+
+def mappable_sources(group: dist.ProcessGroup, sources: list[int],
+                     candidates: set[int]) -> tuple[set[int], set[int]]:
+    """Which replication partners can share memory with this rank (collective on
+    ``group``: every rank calls it once, with its own ``sources`` and the
+    ``candidates`` among them and its peers that are on its node).
+
+    Each rank writes a random token into a probe slot; every rank tries to map the probes
+    of its candidate sources and compares the token. Returns ``(mapped, mapping)``: the
+    sources whose slots this rank maps, and the peers that map this rank's slots."""
+    probe = SharedSlot(0, _PAGE, _process_token())
+    token = secrets.token_bytes(_PROBE_BYTES)
+    probe.data[:_PROBE_BYTES] = token
+    world = dist.get_world_size(group)
+    offers: list[tuple[int, int, bytes] | None] = [None] * world
+    dist.all_gather_object(offers, (os.getpid(), probe.fd, token), group=group)
+    mapped = set()
+    for source in sources:
+        offer = offers[source]
+        if source not in candidates or offer is None:
+            continue
+        pid, fd, expected = offer
+        try:
+            memory = _map(pid, fd, _PAGE)
+        except OSError:  # another node, another PID namespace, or not allowed
+            continue
+        if memory[:_PROBE_BYTES] == expected:
+            mapped.add(source)
+        memory.close()
+    verdicts: list[set[int] | None] = [None] * world
+    dist.all_gather_object(verdicts, mapped, group=group)
+    probe.close()
+    me = dist.get_rank(group)
+    mapping = {peer for peer, theirs in enumerate(verdicts) if theirs and me in theirs}
+    return mapped, mapping

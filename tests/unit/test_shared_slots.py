@@ -1,0 +1,176 @@
+"""Shared-memory slots: what a same-node replica peer maps instead of receiving a copy.
+
+A snapshot encoded into a slot is byte for byte the replication encoding (pooled buffers
+and plain tensors alike, a header that needs a second, larger slot too); a slot's bytes are
+not rewritten until the peers let go of them; a peer's mapping keeps the bytes after the
+source process is SIGKILLed; mapped snapshots are never reused as receive buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from lightning_moe_ckpt.checkpoint import codec
+from lightning_moe_ckpt.checkpoint.codec import decode_snapshot, encode_snapshot
+from lightning_moe_ckpt.checkpoint.replication import ReplicaStore
+from lightning_moe_ckpt.checkpoint.shared_slots import (
+    SharedSlot,
+    SlotHandle,
+    SlotMapper,
+    SlotRing,
+    slot_key,
+)
+from lightning_moe_ckpt.checkpoint.snapshot import (
+    HostBufferPool,
+    PieceLayout,
+    Snapshot,
+    SnapshotPiece,
+    tensor_checksum,
+)
+
+BOUNDED_S = 60.0  # the source process starts (imports torch) and dies within this
+
+
+@dataclass(frozen=True)
+class Plan:
+    iteration: int = 9
+    window_start: int = 8
+    window: int = 2
+
+
+def _snapshot() -> Snapshot:
+    """One piece in pooled buffers (a packed block), one of plain tensors, and metadata."""
+    pool = HostBufferPool(pin_memory=False)
+    sources = {"w/master": torch.randn(5, 3), "w/exp_avg": torch.randn(5, 3),
+               "w/step": torch.tensor(4.0)}
+    buffers = pool.acquire(PieceLayout.of("layers.0.moe.experts.2", "master", sources))
+    for name, tensor in sources.items():
+        buffers.tensors[name].copy_(tensor)
+    assert buffers.block is not None  # the case the slot copy reads as one tensor
+    pooled = SnapshotPiece("layers.0.moe.experts.2", "master", buffers.tensors,
+                           buffers.checksum(), buffers)
+    plain = {"head.weight": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)}
+    return Snapshot(9, 1, Plan(), {  # type: ignore[arg-type]
+        "layers.0.moe.experts.2": pooled,
+        "head": SnapshotPiece("head", "compute", plain, tensor_checksum(plain))},
+        {"step": 9, "rng": torch.get_rng_state()}, threading.Event(), threading.Event())
+
+
+def _into_ring(snapshot: Snapshot, ring: SlotRing) -> tuple[torch.Tensor, SharedSlot]:
+    used: list[SharedSlot] = []
+
+    def memory(nbytes: int) -> torch.Tensor:
+        used.append(ring.acquire(snapshot.plan.window_start, nbytes))
+        return used[-1].view(used[-1].capacity)
+
+    target, length = codec.encode_snapshot_into(snapshot, memory)
+    return target[:length], used[-1]
+
+
+def test_slot_encoding_is_the_replication_encoding_byte_for_byte() -> None:
+    snapshot = _snapshot()
+    encoded, _ = _into_ring(snapshot, SlotRing())
+    assert torch.equal(encoded, encode_snapshot(snapshot))
+    decoded = decode_snapshot(encoded.clone())
+    for name, piece in snapshot.pieces.items():
+        for key, tensor in piece.tensors.items():
+            assert torch.equal(decoded["pieces"][name]["tensors"][key], tensor)
+
+
+def test_a_header_larger_than_guessed_gets_more_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "_HEADER_GUESS", 8)  # far too small for any header
+    snapshot = _snapshot()
+    asked: list[int] = []
+
+    def exact(nbytes: int) -> torch.Tensor:
+        asked.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    target, length = codec.encode_snapshot_into(snapshot, exact)
+    assert len(asked) == 2 and asked[1] > asked[0] and target.numel() == asked[1]
+    assert torch.equal(target[:length], encode_snapshot(snapshot))
+
+
+def test_slots_are_rewritten_only_after_four_window_changes() -> None:
+    ring = SlotRing()
+    first = ring.acquire(0, 1000)
+    held = [first] + [ring.acquire(start, 1000) for start in (1, 2, 3)]
+    assert len({s.serial for s in held}) == 4  # peers may still read every one of these
+    assert ring.acquire(3, 1000) is not first  # same window: still no reuse
+    assert ring.acquire(4, 1000) is first  # four window changes later it is free
+    assert ring.allocations == 5 and ring.nbytes() == ring.peak_bytes == 5 * first.capacity
+    ring.abandon()  # a recovery superseded them: the next snapshot goes to a new slot
+    assert ring.nbytes() == 0
+    assert ring.acquire(5, 1000).serial == 6
+
+
+def test_a_larger_snapshot_gets_a_slot_that_fits() -> None:
+    ring = SlotRing()
+    small = ring.acquire(0, 10)
+    for start in (1, 2, 3, 4):
+        ring.acquire(start, 10)
+    large = ring.acquire(5, 3 * small.capacity)  # the free one is too small
+    assert large is not small and large.capacity >= 3 * small.capacity
+
+
+_SOURCE = r"""
+import sys, torch
+from lightning_moe_ckpt.checkpoint.shared_slots import SlotRing
+slot = SlotRing().acquire(0, 4096)
+slot.view(4096).copy_(torch.arange(4096) % 251)
+print(*slot.handle(4096).as_tensor().tolist(), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_mapped_slot_outlives_its_process() -> None:
+    source = subprocess.Popen([sys.executable, "-c", _SOURCE], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert source.stdout is not None
+        ready, _, _ = select.select([source.stdout], [], [], BOUNDED_S)
+        assert ready, "the source process printed no handle"
+        line = source.stdout.readline()
+        handle = SlotHandle.from_tensor(torch.tensor([int(v) for v in line.split()]))
+        assert handle.pid == source.pid
+        view = SlotMapper().view(handle)  # the mapper's cache may go: the view keeps it
+        os.kill(source.pid, signal.SIGKILL)
+        assert source.wait(timeout=BOUNDED_S) == -signal.SIGKILL
+        assert not os.path.exists(f"/proc/{source.pid}")  # really gone
+        assert torch.equal(view, (torch.arange(4096) % 251).to(torch.uint8))
+    finally:
+        if source.poll() is None:
+            source.kill()
+            source.wait(timeout=BOUNDED_S)
+
+
+def test_mapped_snapshots_are_never_reused_as_receive_buffers() -> None:
+    store = ReplicaStore()
+    ring = SlotRing()
+    mapper = SlotMapper()
+    mapped_bytes = 0
+    for start in range(4):
+        slot = ring.acquire(start, 64)
+        slot.view(64).fill_(start)
+        handle = slot.handle(64)
+        store.put(1, start, start, mapper.view(handle), slot=slot_key(handle))
+        store.put(2, start, start, torch.full((64,), start, dtype=torch.uint8))
+        mapped_bytes = 64 * min(start + 1, 2)
+    # Windows 0 and 1 of both sources were dropped: only source 2's copies are spares.
+    assert store.spare[64] and all(int(b[0]) in (0, 1) for b in store.spare[64])
+    assert len(store.spare[64]) == 2
+    assert store.mapped_nbytes() == mapped_bytes
+    assert store.nbytes() == 2 * 64 + 2 * 64  # own copies held and spares, not mappings
+    assert len(store.mapped_slots()) == 2
+    store.clear()
+    assert store.mapped_nbytes() == 0 and not store.mapped
