@@ -66,6 +66,10 @@ class StateFingerprint:
         self.pointers = list(map(torch.Tensor.data_ptr, self.bases))
         self.keys = [t for t in self.bases if t in self.state]
         self.dicts: list[dict[str, Any]] = [self.state[key] for key in self.keys]
+        # Every state dict in the optimizer's order: compared by identity without hashing a
+        # tensor key (``Tensor.__hash__`` is Python code, 2 us a call), a replaced dict of
+        # another rank's or an unrelated parameter only costs a rebuild.
+        self.all_dicts = list(self.state.values())
         self.sizes = list(map(len, self.dicts))
         self.owners = [d for d in self.dicts for _ in d]
         self.fields = [f for d in self.dicts for f in d]
@@ -78,7 +82,7 @@ class StateFingerprint:
                 and list(map(torch.Tensor.data_ptr, self.bases)) == self.pointers
                 and all(map(operator.is_, map(dict.get, self.buffer_dicts, self.buffer_attrs),
                             self.buffer_tensors))
-                and all(map(operator.is_, map(state.get, self.keys), self.dicts))
+                and all(map(operator.is_, state.values(), self.all_dicts))
                 and list(map(len, self.dicts)) == self.sizes
                 and all(map(operator.is_, map(dict.get, self.owners, self.fields),
                             self.values)))

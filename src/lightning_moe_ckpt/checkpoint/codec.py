@@ -66,7 +66,9 @@ def _snapshot_payload(snapshot: Snapshot) -> dict[str, Any]:
         "pieces": {name: {"kind": piece.kind, "checksum": piece.checksum,
                           "tensors": piece.tensors,
                           "raw": None if piece.buffers is None else piece.buffers.raw,
-                          "block": None if piece.buffers is None else piece.buffers.block}
+                          "block": None if piece.buffers is None else piece.buffers.block,
+                          "head": (_layout_head(piece.tensors) if piece.buffers is None
+                                   else _pooled_layout_head(piece.buffers.key))}
                    for name, piece in snapshot.pieces.items()},
     }
 
@@ -99,12 +101,6 @@ class _MemoryWriter:
         return self.offset
 
 
-def encoded_size_bound(snapshot: Snapshot, header_bytes: int) -> int:
-    """Bytes :func:`encode_snapshot_into` needs for ``snapshot`` when its header takes at
-    most ``header_bytes``."""
-    return (len(MAGIC) + header_bytes + _LENGTH.size
-            + sum(len(_layout_head(piece.tensors)) + piece.nbytes
-                  for piece in snapshot.pieces.values()))
 
 
 def encode_snapshot_into(snapshot: Snapshot,
@@ -114,9 +110,12 @@ def encode_snapshot_into(snapshot: Snapshot,
     written, so ``memory`` is asked again, for more, if the first one is too small for it
     (then the pieces are written again). Returns the memory used and the encoded length."""
     payload = _snapshot_payload(snapshot)
+    blobs = sum(len(entry["head"]) + piece.nbytes
+                for entry, piece in zip(payload["pieces"].values(), snapshot.pieces.values(),
+                                        strict=True))
     header_bytes = _HEADER_GUESS
     while True:
-        target = memory(encoded_size_bound(snapshot, header_bytes))
+        target = memory(len(MAGIC) + blobs + header_bytes + _LENGTH.size)
         writer = _MemoryWriter(target)
         header = _write_pieces(writer, payload)
         encoded = _header_bytes(header)
@@ -139,7 +138,9 @@ def _write_pieces(writer: io.BytesIO | _MemoryWriter, payload: dict[str, Any]) -
     index: dict[str, dict[str, Any]] = {}
     for name, piece in payload["pieces"].items():
         offset = writer.tell()
-        frame = _write_piece(writer, piece["tensors"], piece.get("raw"), piece.get("block"))
+        head = piece.get("head") or _layout_head(piece["tensors"])
+        frame = _write_piece(writer, head, piece["tensors"], piece.get("raw"),
+                             piece.get("block"))
         index[name] = {"kind": piece["kind"], "checksum": piece["checksum"],
                        "frame_checksum": frame, "offset": offset,
                        "length": writer.tell() - offset}
@@ -160,12 +161,20 @@ def _layout_head(tensors: Mapping[str, torch.Tensor]) -> bytes:
                                   tuple(tensors[name].shape)) for name in sorted(tensors)))
 
 
-def _write_piece(writer: io.BytesIO | _MemoryWriter, tensors: Mapping[str, torch.Tensor],
-                 raw: tuple[memoryview, ...] | None, block: torch.Tensor | None) -> int:
-    """Append one piece's blob (layout, then the tensors' bytes in name order; ``raw``:
-    those bytes already in place, ``block``: the same as one tensor) to ``writer``; returns
-    the blob's CRC32C."""
-    head = _layout_head(tensors)
+@functools.lru_cache(maxsize=4096)
+def _pooled_layout_head(key: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> bytes:
+    """:func:`_layout_head` of pooled buffers, from their pool key ((name, shape, dtype) in
+    name order): looked up, not rebuilt tensor by tensor, for every snapshot."""
+    return _layout_head_of(tuple((name, str(dtype).removeprefix("torch."), shape)
+                                 for name, shape, dtype in key))
+
+
+def _write_piece(writer: io.BytesIO | _MemoryWriter, head: bytes,
+                 tensors: Mapping[str, torch.Tensor], raw: tuple[memoryview, ...] | None,
+                 block: torch.Tensor | None) -> int:
+    """Append one piece's blob (its layout ``head``, then the tensors' bytes in name order;
+    ``raw``: those bytes already in place, ``block``: the same as one tensor) to
+    ``writer``; returns the blob's CRC32C."""
     writer.write(head)
     crc = bytes_checksum(head)
     if block is not None and isinstance(writer, _MemoryWriter):

@@ -205,11 +205,20 @@ class Snapshot:
     copied: threading.Event = field(default_factory=threading.Event)
     checksummed: threading.Event = field(default_factory=threading.Event)
     cuda_done: Any = None  # torch.cuda.Event on the CUDA path
+    _nbytes: int | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of tensor data in this snapshot."""
-        return sum(piece.nbytes for piece in self.pieces.values())
+        """Bytes of tensor data in this snapshot (summed once: the store and the engine
+        read it every iteration)."""
+        if self._nbytes is None:
+            self._nbytes = sum(piece.nbytes for piece in self.pieces.values())
+        return self._nbytes
+
+    def take_pieces(self) -> dict[str, SnapshotPiece]:
+        """Hand the pieces over; the snapshot holds none from then on."""
+        pieces, self.pieces, self._nbytes = self.pieces, {}, 0
+        return pieces
 
 
 class HostBufferPool:
@@ -233,10 +242,9 @@ class HostBufferPool:
     def release(self, snapshot: Snapshot) -> None:
         """Return a snapshot's buffers to the pool (pieces made elsewhere, e.g. decoded
         from a peer, own no pooled buffers and are simply dropped)."""
-        for piece in snapshot.pieces.values():
+        for piece in snapshot.take_pieces().values():
             if piece.buffers is not None:
                 self._free[piece.buffers.key].append(piece.buffers)
-        snapshot.pieces = {}
 
 
 @dataclass(frozen=True)

@@ -56,14 +56,23 @@ class SnapshotStore:
         self.release_listeners: list[Callable[[int], None]] = []
         self._kept_from: int | None = None
         self.peak_bytes = 0
+        self._held_bytes = 0  # kept as windows come and go: summing pieces every step costs
 
     def add(self, snapshot: Snapshot) -> WindowRecord:
         """File a newly issued snapshot under its window."""
         plan = snapshot.plan
         record = self.windows.setdefault(plan.window_start,
                                          WindowRecord(plan.window_start, plan.window))
+        replaced = record.snapshots.get(snapshot.step)
         record.snapshots[snapshot.step] = snapshot
+        self._held_bytes += snapshot.nbytes - (0 if replaced is None else replaced.nbytes)
         self.peak_bytes = max(self.peak_bytes, self.host_bytes())
+        return record
+
+    def _pop(self, start: int) -> WindowRecord:
+        """Take the window at ``start`` out of the store (its snapshots still intact)."""
+        record = self.windows.pop(start)
+        self._held_bytes -= record.nbytes
         return record
 
     def mark_replicated(self, window_start: int, step: int) -> None:
@@ -84,7 +93,7 @@ class SnapshotStore:
         newest = max(persisted)
         if newest != self.persisted_start:
             for start in [s for s in self.windows if s < newest]:
-                for snapshot in self.windows.pop(start).snapshots.values():
+                for snapshot in self._pop(start).snapshots.values():
                     self._free(snapshot)
             # Logs are kept from the start of the previous persisted window on: a recovery
             # that finds the newest window unusable falls back to it (its snapshots survive
@@ -105,7 +114,7 @@ class SnapshotStore:
         """Drop every window (a failed worker's host memory, or windows a recovery
         superseded); their buffers go back to the pool."""
         for start in list(self.windows):
-            for snapshot in self.windows.pop(start).snapshots.values():
+            for snapshot in self._pop(start).snapshots.values():
                 self.pool.release(snapshot)
         self.persisted_start = None
 
@@ -113,7 +122,7 @@ class SnapshotStore:
         """Drop every window but the one starting at ``start`` (a single process keeps
         the window it recovers from; the in-flight one died with the failure)."""
         for other in [s for s in self.windows if s != start]:
-            for snapshot in self.windows.pop(other).snapshots.values():
+            for snapshot in self._pop(other).snapshots.values():
                 self.pool.release(snapshot)
 
     def persisted(self) -> WindowRecord | None:
@@ -122,4 +131,4 @@ class SnapshotStore:
 
     def host_bytes(self) -> int:
         """Bytes of snapshot data currently held."""
-        return sum(record.nbytes for record in self.windows.values())
+        return self._held_bytes
