@@ -37,9 +37,13 @@ import torch.distributed as dist
 # ``checkpoint.same_node_replicas``: a same-node peer maps the snapshot, or copies it.
 SAME_NODE_REPLICAS = ("shared", "copied")
 
+# Anonymous shared memory a peer can map by path: Linux's memfd_create and /proc.
+SHARED_MEMORY = hasattr(os, "memfd_create")
+
 _PAGE = 1 << 16  # slot capacities are rounded up to this
 _KEEP_EPOCHS = 4  # window changes a slot's bytes must survive (see the module docstring)
 _FREE_SLOTS = 4  # unused slots kept for reuse
+_RECENT_SLOTS = 16  # slots a peer keeps mapped after use: a source's ring, over its sources
 _PROBE_BYTES = 16
 
 
@@ -154,25 +158,36 @@ class SlotRing:
 
 
 class SlotMapper:
-    """A peer's mappings of its same-node sources' slots, opened once per slot."""
+    """A peer's mappings of its same-node sources' slots, opened once per slot.
+
+    A mapping is kept while a held snapshot lies in its slot or the slot was among the
+    last few a source used: a source cycles through a handful of slots, so a slot comes
+    back a few snapshots after the peer dropped the window in it, and mapping it afresh
+    each time would cost an ``open`` and an ``mmap`` per snapshot. Older mappings are let
+    go, so a slot the source closed does not stay alive here."""
 
     def __init__(self) -> None:
         self._mapped: dict[tuple[int, int, int], mmap.mmap] = {}  # (pid, token, serial)
+        self._recent: list[tuple[int, int, int]] = []
 
     def view(self, handle: SlotHandle) -> torch.Tensor:
         """The bytes ``handle`` names, as a uint8 tensor over the source's memory; the
         mapping lives as long as the tensor (and its views)."""
-        key = (handle.pid, handle.token, handle.serial)
+        key = slot_key(handle)
         memory = self._mapped.get(key)
         if memory is None:
             memory = _map(handle.pid, handle.fd, handle.capacity)
             self._mapped[key] = memory
+        if key in self._recent:
+            self._recent.remove(key)
+        self._recent.append(key)
+        del self._recent[:-_RECENT_SLOTS]
         return torch.frombuffer(memory, dtype=torch.uint8, count=handle.length)
 
-    def keep_only(self, handles: set[tuple[int, int, int]]) -> None:
-        """Forget mappings of slots no held snapshot lies in (their views, if any, keep
-        them mapped)."""
-        for key in [k for k in self._mapped if k not in handles]:
+    def keep_only(self, held: set[tuple[int, int, int]]) -> None:
+        """Forget mappings of slots neither ``held`` nor recently used (their views, if
+        any, keep them mapped)."""
+        for key in [k for k in self._mapped if k not in held and k not in self._recent]:
             del self._mapped[key]
 
 
@@ -197,7 +212,11 @@ def mappable_sources(group: dist.ProcessGroup, sources: list[int],
 
     Each rank writes a random token into a probe slot; every rank tries to map the probes
     of its candidate sources and compares the token. Returns ``(mapped, mapping)``: the
-    sources whose slots this rank maps, and the peers that map this rank's slots."""
+    sources whose slots this rank maps, and the peers that map this rank's slots. Without
+    ``memfd_create`` (not Linux) nothing is shared, on any rank alike, and nothing is
+    exchanged."""
+    if not SHARED_MEMORY:
+        return set(), set()
     probe = SharedSlot(0, _PAGE, _process_token())
     token = secrets.token_bytes(_PROBE_BYTES)
     probe.data[:_PROBE_BYTES] = token
