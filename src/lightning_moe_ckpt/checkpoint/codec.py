@@ -101,8 +101,6 @@ class _MemoryWriter:
         return self.offset
 
 
-
-
 def encode_snapshot_into(snapshot: Snapshot,
                          memory: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Encode ``snapshot`` as :func:`encode_snapshot` does, into ``memory(nbytes)`` (a uint8
