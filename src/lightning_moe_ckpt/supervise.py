@@ -24,6 +24,7 @@ failing after its training ended is reported (exit code 1), not replaced.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,4 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The job is over: exit without the collector traversing the half million objects the
+    # imports built (about a second of CPU).
+    gc.freeze()
+    sys.exit(code)

@@ -22,11 +22,13 @@ from lightning_moe_ckpt.supervise import main as supervise
 # A worker: rank 1 fails in generation 0 as told by argv[1] (exit, or hang after one
 # heartbeat); everyone else, and any replacement, finishes at once.
 WORKER = textwrap.dedent("""
-    import os, sys, time
+    import gc, os, sys, time
+    gc.disable()  # nothing to collect in a worker this short: it starts and exits faster
     from datetime import timedelta
     from torch.distributed import TCPStore
     from lightning_moe_ckpt.recovery.rendezvous import await_assignment
     from lightning_moe_ckpt.recovery.supervisor import finished_key, heartbeat_key
+    gc.freeze()
     if not await_assignment():  # a warm spare the job did not need
         sys.exit(0)
     host, port = os.environ["MOE_STORE"].rsplit(":", 1)
