@@ -215,7 +215,8 @@ def _handle_peer_failures(settings: RunSettings, job: JobStore, engine: Training
                          settings.data.seq_len)
 
     handler = PeerFailureHandler(job, engine, coordinator, reform_groups, warm_up,
-                                 dist.get_backend(), checkpointing.upstream_log)
+                                 dist.get_backend(), checkpointing.upstream_log,
+                                 release_groups=lambda: core.release(engine))
     engine.hooks.insert(0, handler)  # heartbeat and generation check come first
     if job.replaces is not None:
         if injector is not None:  # its own fault is behind it; where it joins, not known yet

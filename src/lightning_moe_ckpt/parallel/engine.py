@@ -22,7 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe_ckpt.models.transformer import MoETransformer
 from lightning_moe_ckpt.operators import is_expert_parameter
-from lightning_moe_ckpt.parallel.expert_parallel import enable_expert_parallel
+from lightning_moe_ckpt.parallel.expert_parallel import (
+    disable_expert_parallel,
+    enable_expert_parallel,
+)
 from lightning_moe_ckpt.parallel.partition import build_rank_model, stage_modules
 from lightning_moe_ckpt.parallel.pipeline import BoundaryHook, PipelineRunner
 from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
@@ -81,6 +84,16 @@ class DistributedExecutor:
         # Each parameter's norm is contributed by exactly one of its replicas.
         self.owns_norm = {name: coords.dp == 0 and (self.is_expert[name] or coords.ep == 0)
                           for name in names}
+
+    def release(self) -> None:
+        """Drop every reference this executor holds to its process groups: the pipeline
+        (its stages and their pending operations), the gradient-sync groups and the model's
+        expert dispatch. A recovery does this before forming new groups, and replaces the
+        executor then; it runs nothing in between. Idempotent: a recovery interrupted
+        before it built the new executor releases this one again."""
+        self.runner = None
+        vars(self).pop("groups", None)
+        disable_expert_parallel(self.model)
 
     def reset_stats(self) -> None:
         self.model.reset_stats()

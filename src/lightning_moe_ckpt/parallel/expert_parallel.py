@@ -89,6 +89,14 @@ class ExpertParallelDispatch:
                           for expert, chunk in zip(self.local_experts, chunks, strict=True)])
 
 
+def disable_expert_parallel(model: nn.Module) -> None:
+    """Undo :func:`enable_expert_parallel`: every MoE layer runs its own experts again and
+    nothing of ``model`` references the expert-parallel group."""
+    for module in model.modules():
+        if isinstance(module, MoELayer) and "run_experts" in vars(module):
+            del module.run_experts
+
+
 def enable_expert_parallel(model: nn.Module, group: dist.ProcessGroup,
                            local_experts: range) -> None:
     """Route every MoE layer of ``model`` through the expert-parallel dispatch."""

@@ -22,9 +22,11 @@ joins the recovery as the failed rank: its window comes from its replica peers.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +67,12 @@ class PeerFailureHandler(StepHooks):
     # Called once the iteration to recover is agreed, before the state is touched: where
     # a real fault "during a recovery" strikes (the failure injector sets it).
     recovery_started: Callable[[int], None] = lambda failed_step: None
+    # Drops this rank's references to the broken process groups before the rendezvous: a
+    # gloo group's connections close only once nothing references it (neither
+    # destroy_process_group nor abort() closes them), and a survivor blocked on this rank,
+    # in a pipeline receive say, learns of the failure only then instead of a collective
+    # timeout (recovery.timeout_s / 3) later.
+    release_groups: Callable[[], None] = lambda: None
     recoveries: list[dict[str, Any]] = field(default_factory=list)
 
     @override
@@ -78,6 +86,14 @@ class PeerFailureHandler(StepHooks):
         # A peer's failure shows up as a new generation once the supervisor saw it.
         if not self.job.await_new_generation():
             return False  # no peer failed: this error is the process's own
+        # The failed iteration's frames (the whole chain's) hold the broken groups'
+        # pending operations and the pipeline stage.
+        chain: list[BaseException] = []
+        cause: BaseException | None = error
+        while cause is not None and cause not in chain:
+            chain.append(cause)
+            traceback.clear_frames(cause.__traceback__)
+            cause = cause.__cause__ or cause.__context__
         self.recover_now()
         return True
 
@@ -144,6 +160,10 @@ class PeerFailureHandler(StepHooks):
     def _attempt(self, attempt: _Attempt) -> tuple[RecoveryOutcome, float]:
         """One try at the recovery in the newest generation (collective over the world)."""
         if not attempt.formed:
+            self.release_groups()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            gc.collect()  # what held them may be in reference cycles (frames, stages)
             self.job.join(self.job.current_generation(), self.backend)
             self.reform_groups()
         self.warm_up()  # in the order a fresh process reaches it: after all groups

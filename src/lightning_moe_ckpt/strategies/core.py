@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.parallel.engine import (
+    DistributedExecutor,
     ProcessGroups,
     build_parallel_engine,
     build_parallel_executor,
@@ -92,6 +93,16 @@ class MoEParallelCore:
                 f"was built with pp={self.pp} dp={self.dp} ep={self.ep} "
                 f"schedule={self.schedule!r}")
         return build_parallel_engine(settings, self.mesh, device, self.boundary_hooks)
+
+    def release(self, engine: TrainingEngine) -> None:
+        """Before a recovery forms new process groups: drop every reference to the broken
+        ones, the mesh's and ``engine``'s executor's, so that their connections close and a
+        peer blocked on this rank fails at once (:meth:`reform` builds them anew)."""
+        executor = engine.executor
+        if isinstance(executor, DistributedExecutor):
+            executor.release()
+        # The mesh registers its groups by name in a dict of its own.
+        self.mesh = None
 
     def reform(self, engine: TrainingEngine, device: torch.device) -> None:
         """After the default process group was formed anew (a failure replaced a rank):
