@@ -122,6 +122,9 @@ def test_a_worker_killed_mid_window_is_replaced_and_recovers_bitwise(
                 assert torch.equal(tensor, part["state"][name][key]), (rank, name, key)
         (recovery,) = part["real_recoveries"]
         assert recovery["failed_step"] == 5 and recovery["failed_ranks"] == [failed]
+        if rank != failed:  # no survivor, even one blocked on another, waited out its
+            # collective timeout (SUPERVISED_TIMEOUT_S / 3) to learn of the failure
+            assert recovery["timings_s"]["detect"] < SUPERVISED_TIMEOUT_S / 6, recovery
         assert recovery["ranks_rolled_back"] == scope
         assert recovery["replacement"] == (rank == failed)
         if rank in scope:

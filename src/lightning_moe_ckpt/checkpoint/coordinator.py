@@ -236,13 +236,19 @@ class CheckpointCoordinator(StepHooks):
             self.replicator.replicas.clear()
             self.replicator.abandon_slots()  # in a live process: the peers' copies stay intact
 
+    def release_replication(self) -> None:
+        """A peer failed: stop replicating and drop the broken replication group before
+        new groups are formed (the replicas this rank holds stay for the recovery)."""
+        if self.replicator is not None:
+            self.replicator.close(timeout_s=10.0)  # stops at the broken group, or idles
+
     def reform_replication(self) -> None:
         """The process groups were formed anew: replicate over a new group, keeping the
         replicas this rank holds for its peers (collective, like the first one)."""
         old = self.replicator
         if old is None:
             return
-        old.close(timeout_s=10.0)  # its thread stopped at the broken group, or idles
+        old.close(timeout_s=10.0)  # released already by a survivor: returns at once
         old.abandon_slots()
         self._slot_bytes_before = max(self._slot_bytes_before, old.slot_bytes_peak())
         self.replicator = Replicator(*self._replication_args, old.replicas,

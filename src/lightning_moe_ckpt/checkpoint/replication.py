@@ -197,9 +197,15 @@ class Replicator:
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drain outstanding transfers and stop the thread (give up waiting for it after
-        ``timeout_s``: a thread stuck on a broken group is a daemon and goes with it)."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        ``timeout_s``: a thread stuck on a broken group is a daemon and goes with it).
+        Once the thread has stopped the group is dropped: a gloo group's connections close
+        only when nothing references it, and a peer's thread blocked on this rank fails
+        then instead of at its collective timeout. Idempotent."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            vars(self).pop("group", None)
 
     def drain(self) -> None:
         """Wait until every submitted snapshot is replicated (the thread keeps running)."""
@@ -256,8 +262,10 @@ class Replicator:
             try:
                 self._replicate(snapshot)
             except (RuntimeError, dist.DistBackendError, OSError) as error:
-                # OSError: a source died before this rank could map its slot.
-                self.error = error
+                # OSError: a source died before this rank could map its slot. Kept without
+                # its traceback, whose frames would keep the transfer, and so the group,
+                # alive after close().
+                self.error = error.with_traceback(None)
             self._queue.task_done()
         self._queue.task_done()
 

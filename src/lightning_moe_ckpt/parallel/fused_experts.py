@@ -86,6 +86,19 @@ def expert_count(module: nn.Module) -> int:
     return sizes.pop()
 
 
+def set_expert_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Point every :class:`ExpertShard` of ``model`` at ``group``, the expert-parallel
+    group formed anew after a failure; None drops the shards' reference to the broken one
+    (a recovery does so before forming new groups: see
+    :meth:`~lightning_moe_ckpt.strategies.core.MoEParallelCore.release_mesh`)."""
+    for module in model.modules():
+        if isinstance(module, ExpertShard):
+            if group is None:
+                vars(module).pop("ep_group", None)
+            else:
+                module.ep_group = group
+
+
 def shard_fused_experts(module: nn.Module, group: dist.ProcessGroup) -> ExpertShard:
     """Keep this rank's block of ``module``'s experts and dispatch over ``group``.
 

@@ -69,6 +69,12 @@ class StagedExecutor:
                 staged.stages, plan, pp_rank, groups.pp, device, dtype, micro_batch, seq_len,
                 staged.hidden_size, staged.output_size, loss_fn, hooks)
 
+    def release(self) -> None:
+        """Drop this executor's pipeline and gradient-sync groups before a recovery forms
+        new ones (it runs nothing until it is rebuilt; idempotent)."""
+        self.runner = None
+        vars(self).pop("groups", None)
+
     @property
     def has_loss(self) -> bool:
         """Whether this rank computes the loss (holds the last stage)."""

@@ -74,9 +74,13 @@ class PeerFailureHandler(StepHooks):
     # timeout (recovery.timeout_s / 3) later.
     release_groups: Callable[[], None] = lambda: None
     recoveries: list[dict[str, Any]] = field(default_factory=list)
+    # When the current iteration started (perf_counter): a recovery's "detect" time runs
+    # from there, so a survivor that waited out a collective timeout shows it.
+    iteration_started: float | None = None
 
     @override
     def before_iteration(self, step: int) -> None:
+        self.iteration_started = time.perf_counter()
         self.job.heartbeat()
         if self.job.newer_generation_seen():
             self.recover_now()
@@ -108,6 +112,9 @@ class PeerFailureHandler(StepHooks):
 
     def _recover(self, replacing: bool) -> None:
         detected = time.perf_counter()
+        # A replacement detected nothing: it was started for the failure.
+        detect = ({} if replacing or self.iteration_started is None
+                  else {"detect": detected - self.iteration_started})
         with self.job.busy():
             role = "replacement" if replacing else "survivor"
             print(f"rank {self.job.rank} ({role}, pid {os.getpid()}): recovering from "
@@ -153,13 +160,14 @@ class PeerFailureHandler(StepHooks):
                 "iterations_replayed": None if report is None else report.replayed,
                 "paused_forward_backward": {str(rank): calls for rank, calls
                                             in enumerate(paused) if calls is not None},
-                "timings_s": {"detect_reform": reformed - detected,
+                "timings_s": {**detect, "detect_reform": reformed - detected,
                               **({} if report is None else report.phases_s),
                               "total": time.perf_counter() - detected}})
 
     def _attempt(self, attempt: _Attempt) -> tuple[RecoveryOutcome, float]:
         """One try at the recovery in the newest generation (collective over the world)."""
         if not attempt.formed:
+            self.coordinator.release_replication()
             self.release_groups()
             if dist.is_initialized():
                 dist.destroy_process_group()

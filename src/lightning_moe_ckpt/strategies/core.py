@@ -101,7 +101,12 @@ class MoEParallelCore:
         executor = engine.executor
         if isinstance(executor, DistributedExecutor):
             executor.release()
-        # The mesh registers its groups by name in a dict of its own.
+        self.release_mesh()
+
+    def release_mesh(self) -> None:
+        """Drop the mesh, whose registry holds every group it created by name (a dict of
+        bound objects the garbage collector does not see, so only dropping the mesh frees
+        them); :meth:`setup_mesh` builds it anew."""
         self.mesh = None
 
     def reform(self, engine: TrainingEngine, device: torch.device) -> None:

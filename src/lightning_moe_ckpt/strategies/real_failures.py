@@ -98,7 +98,8 @@ def protect_user_module(trainer: L.Trainer, target: LightningTarget,
         target.discard_telemetry()  # the warm-up's routing is no iteration's
 
     handler = PeerFailureHandler(job, target, coordinator, reform_groups, warm_up,
-                                 dist.get_backend(), upstream_log)
+                                 dist.get_backend(), upstream_log,
+                                 release_groups=strategy.release_user_model)
     target.hooks.insert(0, handler)  # heartbeat and generation check come first
     strategy.iteration_guard = target
     if job.replaces is not None:

@@ -195,6 +195,10 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
         return True
 
     @override
+    def release_user_model(self) -> None:
+        self.user_model.release()
+
+    @override
     def reform_user_model(self) -> None:
         self.user_model.reform(self.root_device)
 

@@ -8,7 +8,8 @@ pipeline's static boundary shapes come from it. The full model's layer and exper
 and parameter order are read before pruning: routing telemetry, the planner's layout and
 the grad-norm vector span the whole model.
 
-After a failed rank is replaced, :meth:`UserModelSplit.reform` rebuilds the mesh, points
+When a peer fails, :meth:`UserModelSplit.release` first drops the broken process groups;
+after a failed rank is replaced, :meth:`UserModelSplit.reform` rebuilds the mesh, points
 the expert shards at its expert-parallel group and rebuilds the executor over the live
 model; :meth:`UserModelSplit.warm_up` then runs the new schedule's start-up exchange on
 every rank together (a joining process builds its executor there too).
@@ -21,7 +22,7 @@ from torch import nn
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.parallel.engine import ProcessGroups
-from lightning_moe_ckpt.parallel.fused_experts import ExpertShard
+from lightning_moe_ckpt.parallel.fused_experts import set_expert_group
 from lightning_moe_ckpt.parallel.model_plans import (
     ModelShape,
     ParallelizeFn,
@@ -102,6 +103,17 @@ class UserModelSplit:
                               f"parallel.microbatches={count} micro-batches")
         return inputs.shape[0] // count
 
+    def release(self) -> None:
+        """Before a recovery forms new process groups: drop every reference to the broken
+        ones (the executor's pipeline and gradient-sync groups, the expert shards' group,
+        the mesh), so that their connections close and a peer blocked on this rank fails
+        at once. The executor keeps its shapes and counts for :meth:`reform`."""
+        if self.executor is not None:
+            self.executor.release()
+        if self.staged is not None:
+            set_expert_group(self.staged.model, None)
+        self.core.release_mesh()
+
     def reform(self, device: torch.device) -> None:
         """The default process group was formed anew (a failed rank was replaced): rebuild
         the mesh (collective, as at launch), point the expert shards at its
@@ -109,10 +121,7 @@ class UserModelSplit:
         iteration and pass counts."""
         mesh = self.core.setup_mesh(device.type)
         if self.staged is not None:
-            group = mesh.get_group("ep")
-            for module in self.staged.model.modules():
-                if isinstance(module, ExpertShard):
-                    module.ep_group = group
+            set_expert_group(self.staged.model, mesh.get_group("ep"))
         old = self.executor
         if old is not None:
             assert self._loss_fn is not None

@@ -83,9 +83,16 @@ class UserModelParallelism(ABC):
     @property
     def replaces_failed_ranks(self) -> bool:
         """Whether a failed rank can be replaced under this strategy: its process groups
-        are re-formed over the live model (:meth:`reform_user_model`,
-        :meth:`warm_up_user_model`) and its loop retries an interrupted step."""
+        are released and re-formed over the live model (:meth:`release_user_model`,
+        :meth:`reform_user_model`, :meth:`warm_up_user_model`) and its loop retries an
+        interrupted step."""
         return False
+
+    def release_user_model(self) -> None:
+        """A peer failed: drop every reference to the broken process groups (executor,
+        expert shards, mesh) before new ones are formed, so a peer blocked on this rank
+        fails at once instead of waiting out its collective timeout."""
+        raise NotImplementedError(f"{type(self).__name__} does not replace failed ranks")
 
     def reform_user_model(self) -> None:
         """The default process group was formed anew: rebuild the mesh, the expert and
