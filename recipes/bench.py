@@ -180,12 +180,20 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
         medians = [runs[policy]["iteration_ms"]["median"] for runs in repeats]
         ratios = [runs[policy]["iteration_ms"]["median"] / runs["none"]["iteration_ms"]["median"]
                   for runs in repeats]
+        cpu = [_cpu_ms(runs[policy]) for runs in repeats]
+        cpu_ratios = [mine / base for mine, base in zip(cpu, (_cpu_ms(r["none"]) for r in repeats),
+                                                         strict=True) if mine and base]
         rows.append({
             "policy": policy,
             "interval": metrics.get("interval"),
             "iteration_ms": float(np.median(medians)),
             "vs_none": float(np.median(ratios)),
             "vs_none_runs": ratios,
+            # CPU time of every rank's process (all threads) per iteration: the work a
+            # policy adds, steadier than wall time where ranks outnumber cores.
+            "cpu_ms_per_iteration": (float(np.median([c for c in cpu if c is not None]))
+                                     if any(c is not None for c in cpu) else None),
+            "cpu_vs_none": float(np.median(cpu_ratios)) if cpu_ratios else None,
             "stall_ms_total": metrics.get("stall_ms", 0.0),
             "overhead_pct": metrics.get("checkpoint_overhead_pct", 0.0),
             "snapshot_mb_per_iter": metrics.get("snapshot_bytes_per_iter", 0) / 2**20,
@@ -201,16 +209,25 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _cpu_ms(metrics: dict[str, Any]) -> float | None:
+    """A run's CPU milliseconds per iteration, summed over its ranks (None: not measured)."""
+    total = metrics.get("cpu_ms_per_iteration", {}).get("total")
+    return None if total is None else float(total)
+
+
 def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The fault-free overhead table."""
     lines = ["| policy | iteration ms (median) | vs none | vs none, per repeat "
+             "| CPU ms/iter (all ranks) | CPU vs none "
              "| stall ms (total) | overhead % | snapshot MiB/iter | W | k | replicas "
              "| host MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         runs = " ".join(f"{ratio:.3f}" for ratio in row["vs_none_runs"])
+        cpu, cpu_ratio = row.get("cpu_ms_per_iteration"), row.get("cpu_vs_none")
         lines.append(f"| {row['policy']} | {row['iteration_ms']:.1f} | {row['vs_none']:.3f} "
-                     f"| {runs} "
+                     f"| {runs} | {'-' if cpu is None else f'{cpu:.1f}'} "
+                     f"| {'-' if cpu_ratio is None else f'{cpu_ratio:.3f}'} "
                      f"| {row['stall_ms_total']:.1f} | {row['overhead_pct']:.2f} "
                      f"| {row['snapshot_mb_per_iter']:.2f} | {row['window'] or '-'} "
                      f"| {row.get('interval') or '-'} | {_replicas(row)} "

@@ -57,6 +57,7 @@ from lightning_moe_ckpt.training.outputs import (
     PLOT,
     WORKERS,
     consolidated_state,
+    gather_cpu_ms,
     gather_target_state,
     plot_training,
     target_state,
@@ -486,6 +487,7 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
     history = TrainingHistory()
     if settings.model.family != "builtin":
         user = _train_hf_with_trainer(settings, data, history)
+        cpu_ms = gather_cpu_ms(history)
         if user["rank"] != 0:
             return {}
         state, checkpointing, injector = user["state"], user["checkpointing"], user["injector"]
@@ -500,14 +502,19 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
                                               trained.step)
         else:
             state = consolidated_state(engine.model, engine.optimizer, trained.step)
+        cpu_ms = gather_cpu_ms(history)
         if trained.global_rank != 0:
             return {}
         checkpointing, injector = trained.checkpointing, trained.injector
         peer, peer_failures = trained.peer, trained.peer_failures
     assert state is not None
     torch.save(state, out_dir / FINAL_STATE)
-    extra: dict[str, Any] = {"data": data.corpus.name,
-                             "data_fingerprint": data.corpus.fingerprint}
+    extra: dict[str, Any] = {
+        "data": data.corpus.name, "data_fingerprint": data.corpus.fingerprint,
+        # Median CPU ms per iteration of each rank's process, all of its threads.
+        "cpu_ms_per_iteration": {
+            "per_rank": cpu_ms,
+            "total": None if None in cpu_ms else sum(c for c in cpu_ms if c is not None)}}
     if checkpointing is not None:
         extra.update(checkpointing.metrics(sum(history.iteration_seconds)))
     if injector is not None:

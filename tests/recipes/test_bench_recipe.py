@@ -47,6 +47,8 @@ def test_quick_bench_reports_measured_and_predicted_ettr_per_policy(
         quick: tuple[str, dict[str, Any], Path]) -> None:
     stdout, report, out = quick
     assert [row["policy"] for row in report["overhead"]] == ["none"]
+    (none,) = report["overhead"]
+    assert none["cpu_ms_per_iteration"] > 0 and none["cpu_vs_none"] == 1.0
     rows = {row["policy"]: row for row in report["ettr"]}
     assert tuple(rows) == POLICIES + PEERS
     schedules = {tuple(row["failure_steps"]) for row in rows.values()}
@@ -164,7 +166,9 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
     bench = _bench_module()
 
     def repeat(none_ms: float, moevement_ms: float) -> dict[str, Any]:
-        return {label: {"iteration_ms": {"median": ms}}
+        # CPU time summed over ranks: here twice the wall time (two busy ranks).
+        return {label: {"iteration_ms": {"median": ms},
+                        "cpu_ms_per_iteration": {"total": 2 * ms}}
                 for label, ms in (("none", none_ms), ("moevement", moevement_ms))}
 
     rows = bench.summarise([repeat(50.0, 51.0), repeat(60.0, 61.2), repeat(52.0, 57.2)])
@@ -173,3 +177,5 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
     assert moevement["vs_none_runs"] == pytest.approx([1.02, 1.02, 1.10])
     assert moevement["vs_none"] == pytest.approx(1.02)  # the outlier repeat is dropped
     assert moevement["iteration_ms"] == 57.2  # median of the runs' medians
+    assert moevement["cpu_vs_none"] == pytest.approx(1.02)  # paired the same way
+    assert moevement["cpu_ms_per_iteration"] == pytest.approx(114.4)

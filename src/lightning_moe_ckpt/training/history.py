@@ -10,6 +10,7 @@ holds a few bytes per step rather than a tensor object per step and series (abou
 
 from __future__ import annotations
 
+import statistics
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -71,11 +72,27 @@ class TrainingHistory:
     validation: list[ValidationRecord] = field(default_factory=list)
     expert_load_total: torch.Tensor | None = None
     memory: list[dict[str, int]] = field(default_factory=list)  # host memory samples
+    # CPU seconds this process (every thread: the copy and replication threads, gloo's)
+    # spent from one iteration's start to the next's: what a policy costs where cores are
+    # shared, a steadier measure than wall time when ranks outnumber them.
+    iteration_cpu_seconds: array[float] = field(default_factory=lambda: array("d"))
     _started: float | None = None
+    _cpu_started: float | None = None
 
     def start_iteration(self) -> None:
-        """Mark the start of an iteration (host clock only)."""
+        """Mark the start of an iteration (host clocks only)."""
         self._started = time.perf_counter()
+        cpu = time.process_time()
+        if self._cpu_started is not None:
+            self.iteration_cpu_seconds.append(cpu - self._cpu_started)
+        self._cpu_started = cpu
+
+    def median_cpu_ms(self) -> float | None:
+        """This process's median CPU milliseconds per iteration (None: under two
+        iterations)."""
+        if not self.iteration_cpu_seconds:
+            return None
+        return statistics.median(self.iteration_cpu_seconds) * 1e3
 
     def record(self, result: IterationResult) -> None:
         """Append one iteration's results."""

@@ -89,6 +89,17 @@ def _concatenated(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return torch.cat(blocks)
 
 
+def gather_cpu_ms(history: TrainingHistory) -> list[float | None]:
+    """Every rank's median CPU milliseconds per iteration, on rank 0 (collective when a
+    process group exists; the other ranks get an empty list)."""
+    mine = history.median_cpu_ms()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    gathered: list[float | None] = [None] * dist.get_world_size()
+    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    return gathered if dist.get_rank() == 0 else []
+
+
 def write_metrics(path: Path, settings: RunSettings, history: TrainingHistory,
                   extra: dict[str, Any]) -> dict[str, Any]:
     """Write ``metrics.json`` and return what was written."""
