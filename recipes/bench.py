@@ -194,6 +194,7 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
             "cpu_ms_per_iteration": (float(np.median([c for c in cpu if c is not None]))
                                      if any(c is not None for c in cpu) else None),
             "cpu_vs_none": float(np.median(cpu_ratios)) if cpu_ratios else None,
+            "cpu_vs_none_runs": cpu_ratios,
             "stall_ms_total": metrics.get("stall_ms", 0.0),
             "overhead_pct": metrics.get("checkpoint_overhead_pct", 0.0),
             "snapshot_mb_per_iter": metrics.get("snapshot_bytes_per_iter", 0) / 2**20,
