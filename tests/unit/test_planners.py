@@ -246,7 +246,7 @@ def test_moevement_agrees_on_w_in_the_background(specs: tuple[OperatorSpec, ...]
     dense = sum(s.master_state_bytes for s in specs)
     agreement = _FakeAgreement(peer=1)
     planner = MoEvementPlanner(specs, iteration_time_s=1.0, bandwidth_bytes_per_s=dense,
-                               window_agreement=agreement)
+                               window_agreement=agreement, agreement_every=1)
     first = planner.plan(1)
     assert first is not None and first.window == 1 and agreement.proposals == [1, 1]
     agreement.peer = 3  # another rank's W grew: agreed with the proposal of boundary 2
@@ -266,6 +266,30 @@ def test_moevement_agrees_on_w_in_the_background(specs: tuple[OperatorSpec, ...]
     # agreement again.
     assert after is not None and after.window == 1
     assert agreement.proposals == [1, 1, 1, 1, 1, 1]
+
+
+def test_moevement_agrees_at_most_every_agreement_every_iterations(
+        specs: tuple[OperatorSpec, ...]) -> None:
+    """With W = 1 every iteration is a boundary, but the ranks agree only every
+    ``agreement_every`` iterations (16 by default); the boundaries in between keep the W
+    last agreed, and the first boundary after a recovery agrees again at once."""
+    dense = sum(s.master_state_bytes for s in specs)
+    agreement = _FakeAgreement(peer=1)
+    planner = MoEvementPlanner(specs, iteration_time_s=1.0, bandwidth_bytes_per_s=dense,
+                               window_agreement=agreement)
+    assert planner.agreement_every == 16
+    assert all(planner.plan(t) is not None for t in range(1, 17))
+    assert agreement.proposals == [1, 1]  # the first boundary's, waited for, and the next
+    agreement.peer = 2  # another rank's W grew: agreed with the proposal of iteration 17
+    plan = planner.plan(17)
+    assert plan is not None and plan.window == 1 and agreement.proposals == [1, 1, 1]
+    assert [p.window for t in range(18, 33) if (p := planner.plan(t)) is not None] == [1] * 15
+    plan = planner.plan(33)
+    assert plan is not None and plan.window == 2 and len(agreement.proposals) == 4
+    planner.on_recovery(40)
+    assert planner.plan(41) is not None and len(agreement.proposals) == 6
+    with pytest.raises(ConfigError, match="agreement_every=0"):
+        MoEvementPlanner(specs, window_agreement=agreement, agreement_every=0)
 
 
 def test_moevement_within_window_plans_never_read_the_device(
