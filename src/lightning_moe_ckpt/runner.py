@@ -514,7 +514,7 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
         # Median CPU ms per iteration of each rank's process, all of its threads.
         "cpu_ms_per_iteration": {
             "per_rank": cpu_ms,
-            "total": None if None in cpu_ms else sum(c for c in cpu_ms if c is not None)}}
+            "total": None if None in cpu_ms else sum(filter(None, cpu_ms))}}
     if checkpointing is not None:
         extra.update(checkpointing.metrics(sum(history.iteration_seconds)))
     if injector is not None:

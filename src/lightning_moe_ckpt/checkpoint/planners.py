@@ -248,10 +248,11 @@ class MoEvementPlanner(BasePlanner):
         self.change_threshold = reorder_change_threshold
         self.fraction_threshold = reorder_fraction_threshold
         self.window_agreement = window_agreement
-        self._agreement_started = False  # a proposal is on its way since the last boundary
         self.agreement_every = agreement_every
         self._next_agreement = 0  # the first iteration whose boundary agrees again
-        self._agreed: int | None = None  # the W last agreed
+        # The W last agreed; None until the first agreement after a start or a recovery
+        # (a proposal is on its way from then on).
+        self._agreed: int | None = None
         self._needed: int | None = None  # this rank's own smallest fitting W (its proposal)
         self.profile: tuple[float, float] | None = None
         if iteration_time_s is not None and bandwidth_bytes_per_s is not None:
@@ -309,7 +310,7 @@ class MoEvementPlanner(BasePlanner):
         self._next = None  # the next plan starts a fresh window
         # Every rank recovers together: all of them agree afresh at the next boundary (a
         # proposal still on its way belongs to the groups before the failure).
-        self._agreement_started = False
+        self._agreed = None
 
     def _start_window(self, iteration: int) -> bool:
         if self.profile is None and self.forced_window is None:
@@ -338,19 +339,16 @@ class MoEvementPlanner(BasePlanner):
         # What this rank needs, not the W last agreed: a need proposed at one boundary is
         # applied only at the next, when the schedule in force may be another rank's.
         proposed = self._needed if self._needed is not None else self.schedule.window
-        if not self._agreement_started:  # first boundary: nothing agreed yet, wait for it
+        if self._agreed is None:  # first boundary: nothing agreed yet, wait for it
             agreement.start(proposed)
         elif iteration < self._next_agreement:
             # No agreement at this boundary: the W last agreed stands (a schedule rebuilt
             # here for this rank's own need must not change it).
-            agreed = self._agreed
-            assert agreed is not None
-            if agreed != self.schedule.window:
-                self.schedule = self._build(forced=agreed)
+            if self._agreed != self.schedule.window:
+                self.schedule = self._build(forced=self._agreed)
             return
         agreed = agreement.result()
         agreement.start(proposed)  # for the next agreement
-        self._agreement_started = True
         self._agreed = agreed
         self._next_agreement = iteration + self.agreement_every
         if agreed != self.schedule.window:
@@ -409,7 +407,7 @@ class MoEvementPlanner(BasePlanner):
         schedule = d["schedule"]
         self.schedule = None if schedule is None else WindowSchedule.from_dict(schedule)
         self.window_start, self._next, self._stale = d["window_start"], d["next"], d["stale"]
-        self._agreement_started = False  # every rank loads together (a resume)
+        self._agreed = None  # every rank loads together (a resume): agree afresh
         self._needed = d.get("needed_window")  # absent from states saved before it existed
         self.profile = None if d["profile"] is None else (d["profile"][0], d["profile"][1])
         self.reorders = int(d["reorders"])
