@@ -12,7 +12,11 @@ from lightning_moe_ckpt.checkpoint.replication import (
     verify_window,
 )
 from tests.distributed.harness import run_distributed
-from tests.distributed.workloads import make_settings, replication_check
+from tests.distributed.workloads import (
+    make_settings,
+    replication_check,
+    replication_partner_failure,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -95,3 +99,16 @@ def test_missing_piece_is_refused_by_name() -> None:
                       expected=lambda step: ["layers.0.attn"] if step == 11 else ["embed"])
     with pytest.raises(CorruptCheckpointError, match=r"rank 3, iteration 12 .* is missing"):
         verify_window(snapshots, rank=3, window_start=10, window=3, expected=lambda step: [])
+
+
+@pytest.mark.parametrize("ranks_per_node", [1, 2], ids=["copied", "mapped"])
+def test_a_replication_thread_that_fails_lets_its_partner_stop(ranks_per_node: int) -> None:
+    # Rank 1's thread waits on rank 0 in their last exchange (a gloo send waits for its
+    # receive) when rank 0's thread fails there. Rank 0 destroys its replication group at
+    # once, so rank 1's thread fails too instead of waiting on a rank whose training may
+    # itself be waiting on rank 1 to learn of the failure.
+    ranks = run_distributed(2, replication_partner_failure, make_settings(1, 2, 1, steps=4),
+                            4, ranks_per_node)["ranks"]
+    assert ranks[0]["staged"] == [3] and "staged" in ranks[0]["error"]
+    assert all(report["stopped"] for report in ranks), ranks
+    assert ranks[1]["error"] is not None and not ranks[1]["staged"]

@@ -205,6 +205,52 @@ class RoundRobinPlanner(BasePlanner):
                            self.window, None)
 
 
+def replication_partner_failure(settings: RunSettings, steps: int,
+                                ranks_per_node: int) -> dict[str, Any]:
+    """Rank 0's replication thread fails in its last exchange, after the slot handles went
+    out and before the payloads (as when a third rank, one of its sources, died there):
+    rank 1's thread, waiting on rank 0 in that exchange, must stop too. Reports whether
+    each rank's thread stopped when it closed its replicator, and its error."""
+    from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
+    from lightning_moe_ckpt.models.transformer import MoETransformer
+    from lightning_moe_ckpt.operators import OperatorRegistry
+
+    engine, _, sampler, shard = _rank_engine(settings)
+    with torch.device("meta"):
+        names = OperatorRegistry(MoETransformer(settings.model)).names
+    coordinator = CheckpointCoordinator(engine, RoundRobinPlanner(names, 2), dist.get_rank(),
+                                        dist.get_world_size(), replicas=1,
+                                        ranks_per_node=ranks_per_node,
+                                        device=torch.device("cpu"))
+    replicator = coordinator.replicator
+    assert replicator is not None
+    staged: list[int] = []
+
+    def fail_in_the_last_exchange(step: int) -> None:
+        if step == steps - 1:
+            staged.append(step)
+            raise RuntimeError("staged: a source of this rank died in the exchange")
+
+    if dist.get_rank() == 0:
+        replicator.before_payload = fail_in_the_last_exchange
+    for t in range(steps):
+        engine.train_iteration(*sampler.iteration(t, shard))
+    # Rank 0 closes its replicator only once rank 1's closed (or gave up): its own close
+    # would release rank 1's thread, as a training thread stuck on rank 1 never does.
+    if dist.get_rank() == 0:
+        replicator.drain()  # its thread reached the staged failure
+    else:
+        stopped = replicator.close(timeout_s=30.0)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        stopped = replicator.close(timeout_s=30.0)
+    report = {"staged": staged, "stopped": stopped,
+              "error": None if replicator.error is None else str(replicator.error)}
+    everything: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, report)
+    return {"ranks": everything}
+
+
 def replica_peers_of(rank: int, ranks_per_node: int = 1) -> list[int]:
     """Replica placement of the 4-rank test world with 2 replicas."""
     from lightning_moe_ckpt.checkpoint.replication import replica_peers

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import queue
 import statistics
+import sys
 import time
 from array import array
 from collections import Counter
@@ -239,8 +240,9 @@ class CheckpointCoordinator(StepHooks):
     def release_replication(self) -> None:
         """A peer failed: stop replicating and drop the broken replication group before
         new groups are formed (the replicas this rank holds stay for the recovery)."""
-        if self.replicator is not None:
-            self.replicator.close(timeout_s=10.0)  # stops at the broken group, or idles
+        if self.replicator is not None and not self.replicator.close(timeout_s=10.0):
+            print(f"rank {self.rank}: the snapshot replication thread did not stop within "
+                  "10 s; going on without it", file=sys.stderr, flush=True)
 
     def reform_replication(self) -> None:
         """The process groups were formed anew: replicate over a new group, keeping the

@@ -23,6 +23,7 @@ missing or corrupt piece, naming rank, operator and iteration.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections import defaultdict
@@ -195,17 +196,19 @@ class Replicator:
         self.submitted += 1
         self._queue.put(snapshot)
 
-    def close(self, timeout_s: float | None = None) -> None:
+    def close(self, timeout_s: float | None = None) -> bool:
         """Drain outstanding transfers and stop the thread (give up waiting for it after
         ``timeout_s``: a thread stuck on a broken group is a daemon and goes with it).
-        Once the thread has stopped the group is dropped: a gloo group's connections close
-        only when nothing references it, and a peer's thread blocked on this rank fails
-        then instead of at its collective timeout. Idempotent."""
+        Once the thread has stopped the group is destroyed, so a peer's thread blocked on
+        this rank fails then instead of at its collective timeout. Idempotent; returns
+        whether the thread stopped."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            vars(self).pop("group", None)
+        if self._thread.is_alive():
+            return False
+        self._destroy_group()
+        return True
 
     def drain(self) -> None:
         """Wait until every submitted snapshot is replicated (the thread keeps running)."""
@@ -266,8 +269,22 @@ class Replicator:
                 # its traceback, whose frames would keep the transfer, and so the group,
                 # alive after close().
                 self.error = error.with_traceback(None)
+                # A partner's thread may be blocked on this rank in the same exchange (a
+                # gloo send waits for its receive): destroyed now, the group fails it at
+                # once. Left to the recovery, it would wait until this rank's training
+                # learned of the failure, which can wait on that partner.
+                self._destroy_group()
             self._queue.task_done()
         self._queue.task_done()
+
+    def _destroy_group(self) -> None:
+        """Destroy the replication group and drop this replicator's reference: a gloo
+        group's connections close only when it is destroyed and nothing references it."""
+        group = vars(self).pop("group", None)
+        if group is None:
+            return
+        with contextlib.suppress(ValueError):  # the recovery destroyed every group already
+            dist.destroy_process_group(group)
 
     def _replicate(self, snapshot: Snapshot) -> None:
         """Send ``snapshot`` to the peers and receive the sources' of the same step."""
