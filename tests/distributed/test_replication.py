@@ -112,3 +112,7 @@ def test_a_replication_thread_that_fails_lets_its_partner_stop(ranks_per_node: i
     assert ranks[0]["staged"] == [3] and "staged" in ranks[0]["error"]
     assert all(report["stopped"] for report in ranks), ranks
     assert ranks[1]["error"] is not None and not ranks[1]["staged"]
+    # Neither goes on silently: the next iteration says replication stopped, once.
+    for rank, report in enumerate(ranks):
+        (warning,) = report["warned"]
+        assert warning.startswith(f"rank {rank}: snapshot replication stopped"), warning

@@ -6,6 +6,7 @@ view. They are module-level so ``spawn`` can pickle them.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from contextlib import contextmanager
 from typing import Any
@@ -210,7 +211,8 @@ def replication_partner_failure(settings: RunSettings, steps: int,
     """Rank 0's replication thread fails in its last exchange, after the slot handles went
     out and before the payloads (as when a third rank, one of its sources, died there):
     rank 1's thread, waiting on rank 0 in that exchange, must stop too. Reports whether
-    each rank's thread stopped when it closed its replicator, and its error."""
+    each rank's thread stopped when it closed its replicator, its error, and what the next
+    two iterations warned."""
     from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
     from lightning_moe_ckpt.models.transformer import MoETransformer
     from lightning_moe_ckpt.operators import OperatorRegistry
@@ -242,10 +244,17 @@ def replication_partner_failure(settings: RunSettings, steps: int,
     else:
         stopped = replicator.close(timeout_s=30.0)
     dist.barrier()
+    # The next iterations tell the user, once, that their snapshots are not replicated.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(steps, steps + 2):
+            engine.train_iteration(*sampler.iteration(t, shard))
     if dist.get_rank() == 0:
         stopped = replicator.close(timeout_s=30.0)
     report = {"staged": staged, "stopped": stopped,
-              "error": None if replicator.error is None else str(replicator.error)}
+              "error": None if replicator.error is None else str(replicator.error),
+              "warned": [str(w.message) for w in caught
+                         if "replication stopped" in str(w.message)]}
     everything: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, report)
     return {"ranks": everything}

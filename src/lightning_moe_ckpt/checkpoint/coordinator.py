@@ -30,6 +30,7 @@ import queue
 import statistics
 import sys
 import time
+import warnings
 from array import array
 from collections import Counter
 from collections.abc import Callable
@@ -140,6 +141,17 @@ class CheckpointCoordinator(StepHooks):
         self.store.refresh()
         if self.replicator is not None:
             self.max_replication_lag = max(self.max_replication_lag, self.replicator.lag)
+            if self.replicator.error is not None and not self.replicator.error_reported:
+                self._report_replication_stopped(self.replicator)
+
+    def _report_replication_stopped(self, replicator: Replicator) -> None:
+        """Say once that replication stopped: the windows taken from now on persist on no
+        peer until a recovery forms a new replication group (a peer's death brings one;
+        an error of another cause does not, and the job would run unprotected)."""
+        replicator.error_reported = True
+        warnings.warn(f"rank {self.rank}: snapshot replication stopped ({replicator.error}); "
+                      "windows taken from now on are not replicated until a recovery forms "
+                      "a new replication group", RuntimeWarning, stacklevel=2)
 
     def apply_capacity_factors(self) -> None:
         """Hand the planner's per-expert capacity factors (if it has any) to the MoE

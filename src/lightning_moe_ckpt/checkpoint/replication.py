@@ -181,6 +181,7 @@ class Replicator:
         self.completed = 0
         # A transfer that failed (a peer died): the thread stops and drain() returns.
         self.error: BaseException | None = None
+        self.error_reported = False  # said once to the user (by the coordinator)
         self._queue: queue.Queue[Snapshot | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="snapshot-replication",
                                         daemon=True)
