@@ -106,7 +106,8 @@ def test_a_replication_thread_that_fails_lets_its_partner_stop(ranks_per_node: i
     # Rank 1's thread waits on rank 0 in their last exchange (a gloo send waits for its
     # receive) when rank 0's thread fails there. Rank 0 destroys its replication group at
     # once, so rank 1's thread fails too instead of waiting on a rank whose training may
-    # itself be waiting on rank 1 to learn of the failure.
+    # itself be waiting on rank 1 to learn of the failure: rank 1's close, given the 10 s
+    # a survivor's recovery gives it, finds the thread stopped.
     ranks = run_distributed(2, replication_partner_failure, make_settings(1, 2, 1, steps=4),
                             4, ranks_per_node)["ranks"]
     assert ranks[0]["staged"] == [3] and "staged" in ranks[0]["error"]

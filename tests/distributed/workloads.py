@@ -239,10 +239,11 @@ def replication_partner_failure(settings: RunSettings, steps: int,
         engine.train_iteration(*sampler.iteration(t, shard))
     # Rank 0 closes its replicator only once rank 1's closed (or gave up): its own close
     # would release rank 1's thread, as a training thread stuck on rank 1 never does.
+    stopped = False
     if dist.get_rank() == 0:
         replicator.drain()  # its thread reached the staged failure
-    else:
-        stopped = replicator.close(timeout_s=30.0)
+    else:  # the timeout a survivor's recovery gives its replication thread
+        stopped = replicator.close(timeout_s=10.0)
     dist.barrier()
     # The next iterations tell the user, once, that their snapshots are not replicated.
     with warnings.catch_warnings(record=True) as caught:
@@ -250,7 +251,7 @@ def replication_partner_failure(settings: RunSettings, steps: int,
         for t in range(steps, steps + 2):
             engine.train_iteration(*sampler.iteration(t, shard))
     if dist.get_rank() == 0:
-        stopped = replicator.close(timeout_s=30.0)
+        stopped = replicator.close(timeout_s=10.0)
     report = {"staged": staged, "stopped": stopped,
               "error": None if replicator.error is None else str(replicator.error),
               "warned": [str(w.message) for w in caught

@@ -99,6 +99,7 @@ class CheckpointCoordinator(StepHooks):
         self._specs_measured = False
         self.paused_forward_backward = 0  # set by a localized recovery this rank sat out
         self.max_replication_lag = 0
+        self._replication_error_reported: BaseException | None = None  # warned of once
         self.snapshots_taken = 0
         self.snapshots_confirmed = 0  # replicated to every peer (or written to disk)
         # Full coverage (invariant 2), counted as it happens: master captures of the
@@ -141,17 +142,18 @@ class CheckpointCoordinator(StepHooks):
         self.store.refresh()
         if self.replicator is not None:
             self.max_replication_lag = max(self.max_replication_lag, self.replicator.lag)
-            if self.replicator.error is not None and not self.replicator.error_reported:
-                self._report_replication_stopped(self.replicator)
+            error = self.replicator.error
+            if error is not None and error is not self._replication_error_reported:
+                self._report_replication_stopped(error)
 
-    def _report_replication_stopped(self, replicator: Replicator) -> None:
+    def _report_replication_stopped(self, error: BaseException) -> None:
         """Say once that replication stopped: the windows taken from now on persist on no
         peer until a recovery forms a new replication group (a peer's death brings one;
         an error of another cause does not, and the job would run unprotected)."""
-        replicator.error_reported = True
-        warnings.warn(f"rank {self.rank}: snapshot replication stopped ({replicator.error}); "
-                      "windows taken from now on are not replicated until a recovery forms "
-                      "a new replication group", RuntimeWarning, stacklevel=2)
+        self._replication_error_reported = error
+        warnings.warn(f"rank {self.rank}: snapshot replication stopped ({error}); windows "
+                      "taken from now on are not replicated until a recovery forms a new "
+                      "replication group", RuntimeWarning, stacklevel=1)
 
     def apply_capacity_factors(self) -> None:
         """Hand the planner's per-expert capacity factors (if it has any) to the MoE
@@ -262,7 +264,7 @@ class CheckpointCoordinator(StepHooks):
         old = self.replicator
         if old is None:
             return
-        old.close(timeout_s=10.0)  # released already by a survivor: returns at once
+        old.close(timeout_s=10.0)  # a survivor's release_replication ran it: returns at once
         old.abandon_slots()
         self._slot_bytes_before = max(self._slot_bytes_before, old.slot_bytes_peak())
         self.replicator = Replicator(*self._replication_args, old.replicas,

@@ -23,7 +23,6 @@ missing or corrupt piece, naming rank, operator and iteration.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from collections import defaultdict
@@ -159,7 +158,9 @@ class Replicator:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.replica_count, self.ranks_per_node = replicas, ranks_per_node
-        self.group = dist.new_group(backend="gloo")  # collective: every rank creates it
+        group = dist.new_group(backend="gloo")  # collective: every rank creates it
+        # None once destroyed (after a transfer error, or once the thread stopped).
+        self.group: dist.ProcessGroup | None = group
         self.peers = replica_peers(self.rank, self.world_size, replicas, ranks_per_node)
         self.sources = [s for s in range(self.world_size)
                         if self.rank in replica_peers(s, self.world_size, replicas,
@@ -169,7 +170,7 @@ class Replicator:
         same_node = ({s for s in self.sources if s // ranks_per_node == node}
                      if share_same_node else set())
         # Sources whose slots this rank maps, and peers that map this rank's slots.
-        self.mapped_sources, self.mapping_peers = mappable_sources(self.group, self.sources,
+        self.mapped_sources, self.mapping_peers = mappable_sources(group, self.sources,
                                                                    same_node)
         self.slots = SlotRing() if self.mapping_peers else None
         self.mapper = SlotMapper()
@@ -181,7 +182,10 @@ class Replicator:
         self.completed = 0
         # A transfer that failed (a peer died): the thread stops and drain() returns.
         self.error: BaseException | None = None
-        self.error_reported = False  # said once to the user (by the coordinator)
+        # Set by a close() that gave up on the thread: the recovery's teardown of every
+        # group destroys this one, and the thread must not destroy it at the same time.
+        self._abandoned = False
+        self._group_lock = threading.Lock()
         self._queue: queue.Queue[Snapshot | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="snapshot-replication",
                                         daemon=True)
@@ -198,17 +202,23 @@ class Replicator:
         self._queue.put(snapshot)
 
     def close(self, timeout_s: float | None = None) -> bool:
-        """Drain outstanding transfers and stop the thread (give up waiting for it after
-        ``timeout_s``: a thread stuck on a broken group is a daemon and goes with it).
+        """Drain outstanding transfers and stop the thread; returns whether it stopped.
+
         Once the thread has stopped the group is destroyed, so a peer's thread blocked on
-        this rank fails then instead of at its collective timeout. Idempotent; returns
-        whether the thread stopped."""
+        this rank fails then instead of at its collective timeout. After ``timeout_s``
+        it gives up: the thread (a daemon) is left stuck on its broken group, which stays
+        for the recovery's teardown of every group to destroy, and every later call
+        returns False at once. Idempotent."""
+        if self._abandoned:
+            return False
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            return False
-        self._destroy_group()
+        with self._group_lock:
+            if self._thread.is_alive():
+                self._abandoned = True
+                return False
+            self._destroy_group()
         return True
 
     def drain(self) -> None:
@@ -244,7 +254,7 @@ class Replicator:
                     window_start: int) -> dict[int, dict[str, Any]]:
         box: list[Any] = [self.replicas.window(source, window_start)
                           if self.rank == holder else None]
-        dist.broadcast_object_list(box, src=holder, group=self.group)
+        dist.broadcast_object_list(box, src=holder, group=self.live_group())
         held: dict[int, torch.Tensor] = box[0]
         snapshots = {step: decode_snapshot(data) for step, data in sorted(held.items())}
         if not snapshots:
@@ -258,13 +268,19 @@ class Replicator:
         """Window starts of which this rank holds a replica of some source."""
         return {start for held in self.replicas.windows.values() for start in held}
 
+    def live_group(self) -> dist.ProcessGroup:
+        """The replication group, for a collective over it; an error naming the cause once
+        it was destroyed."""
+        if self.group is None:
+            raise RuntimeError(f"rank {self.rank}: the snapshot replication group was "
+                               f"destroyed after a transfer failed ({self.error})")
+        return self.group
+
     def _run(self) -> None:
         while (snapshot := self._queue.get()) is not None:
-            if self.error is not None:  # the group is broken: nothing more is replicated
-                self._queue.task_done()
-                continue
             try:
-                self._replicate(snapshot)
+                if self.error is None:  # else the group is broken: nothing is replicated
+                    self._replicate(snapshot)
             except (RuntimeError, dist.DistBackendError, OSError) as error:
                 # OSError: a source died before this rank could map its slot. Kept without
                 # its traceback, whose frames would keep the transfer, and so the group,
@@ -274,26 +290,28 @@ class Replicator:
                 # gloo send waits for its receive): destroyed now, the group fails it at
                 # once. Left to the recovery, it would wait until this rank's training
                 # learned of the failure, which can wait on that partner.
-                self._destroy_group()
-            self._queue.task_done()
+                with self._group_lock:
+                    if not self._abandoned:
+                        self._destroy_group()
+            finally:
+                self._queue.task_done()
         self._queue.task_done()
 
     def _destroy_group(self) -> None:
         """Destroy the replication group and drop this replicator's reference: a gloo
         group's connections close only when it is destroyed and nothing references it."""
-        group = vars(self).pop("group", None)
-        if group is None:
-            return
-        with contextlib.suppress(ValueError):  # the recovery destroyed every group already
+        group, self.group = self.group, None
+        if group is not None:
             dist.destroy_process_group(group)
 
     def _replicate(self, snapshot: Snapshot) -> None:
         """Send ``snapshot`` to the peers and receive the sources' of the same step."""
         snapshot.checksummed.wait()
         data, handle = self._encode(snapshot)
+        group = self.live_group()
         handles = {s: torch.zeros(SlotHandle.FIELDS, dtype=torch.int64) for s in self.sources}
-        ops = [dist.P2POp(dist.irecv, handles[s], s, self.group) for s in self.sources]
-        ops += [dist.P2POp(dist.isend, handle.as_tensor(), p, self.group) for p in self.peers]
+        ops = [dist.P2POp(dist.irecv, handles[s], s, group) for s in self.sources]
+        ops += [dist.P2POp(dist.isend, handle.as_tensor(), p, group) for p in self.peers]
         _wait(ops)
         announced = {s: SlotHandle.from_tensor(handles[s]) for s in self.sources}
         # Mapped before the acknowledgement goes back: from then on the source may let go
@@ -304,11 +322,11 @@ class Replicator:
         received = {s: self.replicas.buffer(announced[s].length) for s in self.sources
                     if s not in self.mapped_sources}
         acks = {p: torch.zeros(1, dtype=torch.int64) for p in self.mapping_peers}
-        ops = [dist.P2POp(dist.irecv, buffer, s, self.group) for s, buffer in received.items()]
-        ops += [dist.P2POp(dist.isend, _MAPPED, s, self.group) for s in mapped]
-        ops += [dist.P2POp(dist.isend, data, p, self.group) for p in self.peers
+        ops = [dist.P2POp(dist.irecv, buffer, s, group) for s, buffer in received.items()]
+        ops += [dist.P2POp(dist.isend, _MAPPED, s, group) for s in mapped]
+        ops += [dist.P2POp(dist.isend, data, p, group) for p in self.peers
                 if p not in self.mapping_peers]
-        ops += [dist.P2POp(dist.irecv, ack, p, self.group) for p, ack in acks.items()]
+        ops += [dist.P2POp(dist.irecv, ack, p, group) for p, ack in acks.items()]
         _wait(ops)
         start = snapshot.plan.window_start
         for source, payload in received.items():

@@ -247,10 +247,10 @@ def _fetch(coordinator: CheckpointSide, failed: tuple[int, ...], step: int) -> R
                 replicas = replicator.replicas
                 assert isinstance(replicas, RetainingReplicaStore)
                 dist.send_object_list([_bundle(replicas, source, step)], dst=source,
-                                      group=replicator.group)
+                                      group=replicator.live_group())
             elif rank == source:
                 box: list[Any] = [None]
-                dist.recv_object_list(box, src=holder, group=replicator.group)
+                dist.recv_object_list(box, src=holder, group=replicator.live_group())
                 outcome = _unbundle(box[0], step)
             verdicts = _gather(outcome if isinstance(outcome, str) else None)
             if verdicts[source] is None:
