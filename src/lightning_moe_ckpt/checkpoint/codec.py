@@ -41,6 +41,7 @@ from lightning_moe_ckpt.checkpoint.snapshot import (
     Snapshot,
     bytes_checksum,
     raw_bytes,
+    reseed_checksum,
     tensor_checksum,
 )
 
@@ -67,6 +68,7 @@ def _snapshot_payload(snapshot: Snapshot) -> dict[str, Any]:
                           "tensors": piece.tensors,
                           "raw": None if piece.buffers is None else piece.buffers.raw,
                           "block": None if piece.buffers is None else piece.buffers.block,
+                          "names_crc": None if piece.buffers is None else piece.buffers.names_crc,
                           "head": (_layout_head(piece.tensors) if piece.buffers is None
                                    else _pooled_layout_head(piece.buffers.key))}
                    for name, piece in snapshot.pieces.items()},
@@ -136,9 +138,7 @@ def _write_pieces(writer: io.BytesIO | _MemoryWriter, payload: dict[str, Any]) -
     index: dict[str, dict[str, Any]] = {}
     for name, piece in payload["pieces"].items():
         offset = writer.tell()
-        head = piece.get("head") or _layout_head(piece["tensors"])
-        frame = _write_piece(writer, head, piece["tensors"], piece.get("raw"),
-                             piece.get("block"))
+        frame = _write_piece(writer, piece.get("head") or _layout_head(piece["tensors"]), piece)
         index[name] = {"kind": piece["kind"], "checksum": piece["checksum"],
                        "frame_checksum": frame, "offset": offset,
                        "length": writer.tell() - offset}
@@ -167,20 +167,33 @@ def _pooled_layout_head(key: tuple[tuple[str, tuple[int, ...], torch.dtype], ...
                                  for name, shape, dtype in key))
 
 
-def _write_piece(writer: io.BytesIO | _MemoryWriter, head: bytes,
-                 tensors: Mapping[str, torch.Tensor], raw: tuple[memoryview, ...] | None,
-                 block: torch.Tensor | None) -> int:
-    """Append one piece's blob (its layout ``head``, then the tensors' bytes in name order;
-    ``raw``: those bytes already in place, ``block``: the same as one tensor) to
-    ``writer``; returns the blob's CRC32C."""
+def _write_piece(writer: io.BytesIO | _MemoryWriter, head: bytes, piece: dict[str, Any]) -> int:
+    """Append one piece's blob (its layout ``head``, then the tensors' bytes in name order)
+    to ``writer``; returns the blob's CRC32C.
+
+    The piece may come with those bytes in place (``raw``; ``block``: the same as one
+    tensor). A pooled piece also comes with its names' checksum (``names_crc``), the start
+    of its tensor checksum: the blob's CRC32C then follows from the tensor checksum
+    (:func:`reseed_checksum`) instead of a second pass over the bytes on the replication
+    thread. It is the checksum of the bytes as they should be, so a bit flipped while
+    they were written is caught on decode as well.
+    """
     writer.write(head)
-    crc = bytes_checksum(head)
+    raw, block = piece.get("raw"), piece.get("block")
+    if raw is None:
+        tensors = piece["tensors"]
+        raw = tuple(raw_bytes(tensors[name].contiguous()) for name in sorted(tensors))
     if block is not None and isinstance(writer, _MemoryWriter):
         writer.write_tensor(block)
-        return bytes_checksum(raw_bytes(block), crc)
-    for data in raw if raw is not None else (raw_bytes(tensors[n].contiguous())
-                                             for n in sorted(tensors)):
-        writer.write(data)
+    else:
+        for data in raw:
+            writer.write(data)
+    head_crc = bytes_checksum(head)
+    checksum, names_crc = piece["checksum"], piece.get("names_crc")
+    if checksum is not None and names_crc is not None:
+        return reseed_checksum(checksum, names_crc, head_crc, sum(map(len, raw)))
+    crc = head_crc
+    for data in raw:
         crc = bytes_checksum(data, crc)
     return crc
 

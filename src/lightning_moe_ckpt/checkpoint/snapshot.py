@@ -27,6 +27,7 @@ critical path) and verified on restore.
 
 from __future__ import annotations
 
+import functools
 import queue
 import random
 import threading
@@ -54,6 +55,53 @@ def bytes_checksum(data: bytes | memoryview, crc: int = 0) -> int:
     """CRC32C of ``data`` continuing from ``crc``; reads in place and releases the GIL."""
     value: int = crc32c.crc32c(data, crc)
     return value
+
+
+_CASTAGNOLI = 0x82F63B78  # CRC32C's polynomial, bit-reflected
+
+
+def _multiply_mod_polynomial(a: int, b: int) -> int:
+    """``a * b`` modulo CRC32C's polynomial, both bit-reflected (zlib's ``multmodp``)."""
+    product, mask = 0, 1 << 31
+    while mask and a:
+        if a & mask:
+            product ^= b
+            a ^= mask
+        mask >>= 1
+        b = (b >> 1) ^ _CASTAGNOLI if b & 1 else b >> 1
+    return product
+
+
+# x^(2^k) modulo the polynomial for k = 0..63, bit-reflected (x^1 is bit 30).
+_POWERS_OF_TWO: list[int] = [1 << 30]
+for _ in range(63):
+    _POWERS_OF_TWO.append(_multiply_mod_polynomial(_POWERS_OF_TWO[-1], _POWERS_OF_TWO[-1]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shift_over(value: int, length: int) -> int:
+    """What CRC32C's register ``value`` becomes after ``length`` zero bytes (multiplied by
+    x^(8 * length)): O(log length) products, cached (a layout's values recur)."""
+    power, bits, k = 1 << 31, 8 * length, 0
+    while bits:
+        if bits & 1:
+            power = _multiply_mod_polynomial(_POWERS_OF_TWO[k], power)
+        bits >>= 1
+        k += 1
+    return _multiply_mod_polynomial(power, value)
+
+
+def reseed_checksum(crc: int, seed: int, new_seed: int, length: int) -> int:
+    """``bytes_checksum(data, new_seed)`` from ``crc == bytes_checksum(data, seed)`` and
+    ``length == len(data)``, without reading ``data``.
+
+    CRC32C is affine in its starting value: two runs over the same bytes from different
+    starting values differ by their starting values' difference carried through ``length``
+    zero bytes. So a piece's checksum (the tensor bytes after the names' checksum) gives
+    the checksum of the same bytes behind any other prefix (an encoded blob's layout)
+    without a second pass over them.
+    """
+    return crc ^ _shift_over(seed ^ new_seed, length)
 
 
 def names_checksum(names: Iterable[str]) -> int:
