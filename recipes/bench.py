@@ -195,6 +195,11 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
                                      if any(c is not None for c in cpu) else None),
             "cpu_vs_none": float(np.median(cpu_ratios)) if cpu_ratios else None,
             "cpu_vs_none_runs": cpu_ratios,
+            # Rank 0's snapshot copy and replication threads: their own CPU time, which
+            # moves far less between runs than whole-process ratios.
+            "copy_thread_cpu_ms_per_iter": _thread_cpu_ms(repeats, policy, "copy"),
+            "replication_thread_cpu_ms_per_iter": _thread_cpu_ms(repeats, policy,
+                                                                 "replication"),
             "stall_ms_total": metrics.get("stall_ms", 0.0),
             "overhead_pct": metrics.get("checkpoint_overhead_pct", 0.0),
             "snapshot_mb_per_iter": metrics.get("snapshot_bytes_per_iter", 0) / 2**20,
@@ -210,6 +215,16 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _thread_cpu_ms(repeats: list[dict[str, dict[str, Any]]], policy: str,
+                   thread: str) -> float | None:
+    """Median over repeats of rank 0's ``thread`` CPU ms per iteration (None: the policy
+    has no such thread)."""
+    values = [runs[policy].get("checkpoint_thread_cpu_ms_per_iter", {}).get(thread)
+              for runs in repeats]
+    measured = [float(v) for v in values if v is not None]
+    return float(np.median(measured)) if measured else None
+
+
 def _cpu_ms(metrics: dict[str, Any]) -> float | None:
     """A run's CPU milliseconds per iteration, summed over its ranks (None: not measured)."""
     total = metrics.get("cpu_ms_per_iteration", {}).get("total")
@@ -219,21 +234,29 @@ def _cpu_ms(metrics: dict[str, Any]) -> float | None:
 def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The fault-free overhead table."""
     lines = ["| policy | iteration ms (median) | vs none | vs none, per repeat "
-             "| CPU ms/iter (all ranks) | CPU vs none "
+             "| CPU ms/iter (all ranks) | CPU vs none | copy / replication CPU ms/iter (rank 0) "
              "| stall ms (total) | overhead % | snapshot MiB/iter | W | k | replicas "
              "| host MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         runs = " ".join(f"{ratio:.3f}" for ratio in row["vs_none_runs"])
         cpu, cpu_ratio = row.get("cpu_ms_per_iteration"), row.get("cpu_vs_none")
         lines.append(f"| {row['policy']} | {row['iteration_ms']:.1f} | {row['vs_none']:.3f} "
                      f"| {runs} | {'-' if cpu is None else f'{cpu:.1f}'} "
                      f"| {'-' if cpu_ratio is None else f'{cpu_ratio:.3f}'} "
+                     f"| {_thread_cpu(row)} "
                      f"| {row['stall_ms_total']:.1f} | {row['overhead_pct']:.2f} "
                      f"| {row['snapshot_mb_per_iter']:.2f} | {row['window'] or '-'} "
                      f"| {row.get('interval') or '-'} | {_replicas(row)} "
                      f"| {row['host_mb']:.1f} |")
     return lines
+
+
+def _thread_cpu(row: dict[str, Any]) -> str:
+    """Rank 0's copy and replication threads' CPU ms per iteration, as ``copy / replication``."""
+    values = (row.get("copy_thread_cpu_ms_per_iter"), row.get("replication_thread_cpu_ms_per_iter"))
+    return "-" if values == (None, None) else " / ".join(
+        "-" if v is None else f"{v:.2f}" for v in values)
 
 
 def _replicas(row: dict[str, Any]) -> str:

@@ -167,9 +167,12 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
 
     def repeat(none_ms: float, moevement_ms: float) -> dict[str, Any]:
         # CPU time summed over ranks: here twice the wall time (two busy ranks).
-        return {label: {"iteration_ms": {"median": ms},
-                        "cpu_ms_per_iteration": {"total": 2 * ms}}
-                for label, ms in (("none", none_ms), ("moevement", moevement_ms))}
+        runs: dict[str, Any] = {label: {"iteration_ms": {"median": ms},
+                                        "cpu_ms_per_iteration": {"total": 2 * ms}}
+                                for label, ms in (("none", none_ms), ("moevement", moevement_ms))}
+        runs["moevement"]["checkpoint_thread_cpu_ms_per_iter"] = {
+            "copy": moevement_ms / 100, "replication": moevement_ms / 50}
+        return runs
 
     rows = bench.summarise([repeat(50.0, 51.0), repeat(60.0, 61.2), repeat(52.0, 57.2)])
     (none, moevement) = rows
@@ -179,3 +182,9 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
     assert moevement["iteration_ms"] == 57.2  # median of the runs' medians
     assert moevement["cpu_vs_none"] == pytest.approx(1.02)  # paired the same way
     assert moevement["cpu_ms_per_iteration"] == pytest.approx(114.4)
+    # Rank 0's checkpoint threads: the median over repeats; none has no such threads.
+    assert moevement["copy_thread_cpu_ms_per_iter"] == pytest.approx(0.572)
+    assert moevement["replication_thread_cpu_ms_per_iter"] == pytest.approx(1.144)
+    assert none["copy_thread_cpu_ms_per_iter"] is None
+    table = bench.overhead_markdown(rows)
+    assert table[2].split("|")[7].strip() == "-" and table[3].split("|")[7].strip() == "0.57 / 1.14"

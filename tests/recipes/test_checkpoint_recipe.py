@@ -29,6 +29,11 @@ def test_policy_runs_on_pp2_ep2(tmp_path: Path, policy: str) -> None:
     if policy != "none":
         assert metrics["snapshot_bytes_per_iter"] > 0
         assert metrics["persisted_window_start"] is not None
+        # Rank 0's checkpoint threads report their CPU time; CheckFreq writes to disk and
+        # has no replication thread.
+        threads = metrics["checkpoint_thread_cpu_ms_per_iter"]
+        assert threads["copy"] > 0
+        assert (threads["replication"] > 0) == (policy != "checkfreq")
     if policy == "checkfreq":  # dense snapshots persisted to disk, checksums intact
         files = metrics["persisted_files"]
         assert files and all(Path(f).is_file() for f in files)

@@ -87,6 +87,7 @@ class CheckpointCoordinator(StepHooks):
         self.replica_peers_mapping = ([] if self.replicator is None
                                       else sorted(self.replicator.mapping_peers))
         self._slot_bytes_before = 0  # peaks of the replicators before a re-formed group's
+        self._replication_cpu_s_before = 0.0  # CPU time of those replicators' threads
         # Typed arrays: 8 bytes a step, where a list holds a Python number object per step.
         self.bytes_per_step: array[int] = array("q")
         self.stall_per_step: array[float] = array("d")
@@ -267,6 +268,7 @@ class CheckpointCoordinator(StepHooks):
         old.close(timeout_s=10.0)  # a survivor's release_replication ran it: returns at once
         old.abandon_slots()
         self._slot_bytes_before = max(self._slot_bytes_before, old.slot_bytes_peak())
+        self._replication_cpu_s_before += old.thread_cpu_s
         self.replicator = Replicator(*self._replication_args, old.replicas,
                                      self.share_same_node)
         self.replica_peers_mapping = sorted(self.replicator.mapping_peers)
@@ -293,6 +295,7 @@ class CheckpointCoordinator(StepHooks):
             self.replicator.close()
             self.replicator.abandon_slots()
             self._slot_bytes_before = self.slot_bytes_peak()
+            self._replication_cpu_s_before = self.replication_cpu_s()
             self.replicator = None
         if self.persister is not None:
             self.persister.close()
@@ -308,6 +311,11 @@ class CheckpointCoordinator(StepHooks):
         """Most shared memory this rank's encoded snapshots occupied (for mapping peers)."""
         current = 0 if self.replicator is None else self.replicator.slot_bytes_peak()
         return max(self._slot_bytes_before, current)
+
+    def replication_cpu_s(self) -> float:
+        """CPU time this rank's replication threads spent replicating, all groups'."""
+        current = 0.0 if self.replicator is None else self.replicator.thread_cpu_s
+        return self._replication_cpu_s_before + current
 
     def replica_window(self, source: int, window_start: int) -> dict[int, torch.Tensor]:
         """Serialized snapshots of ``source``'s window that this rank holds as a peer."""
@@ -337,6 +345,11 @@ class CheckpointCoordinator(StepHooks):
             "replication_lag_max": self.max_replication_lag,
             "replica_peers": self.replica_peers,
             "replica_peers_mapping": self.replica_peers_mapping,
+            # This rank's checkpoint threads, CPU ms per iteration: the work they take from
+            # training where cores are shared, steadier than wall-time ratios.
+            "checkpoint_thread_cpu_ms_per_iter": {
+                "copy": 1e3 * self.snapshots.worker_cpu_s / steps,
+                "replication": 1e3 * self.replication_cpu_s() / steps},
             "snapshots_taken": self.snapshots_taken,
             "snapshots_replicated": self.snapshots_confirmed,
             "pieces_issued": self.snapshots.pieces_issued,

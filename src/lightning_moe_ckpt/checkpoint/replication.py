@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -185,6 +186,7 @@ class Replicator:
         self.before_payload: Callable[[int], None] | None = None
         self.submitted = 0
         self.completed = 0
+        self.thread_cpu_s = 0.0  # the thread's CPU time replicating (written by it only)
         # A transfer that failed (a peer died): the thread stops and drain() returns.
         self.error: BaseException | None = None
         # Set by a close() that gave up on the thread: the recovery's teardown of every
@@ -283,6 +285,7 @@ class Replicator:
 
     def _run(self) -> None:
         while (snapshot := self._queue.get()) is not None:
+            started = time.thread_time()
             try:
                 if self.error is None:  # else the group is broken: nothing is replicated
                     self._replicate(snapshot)
@@ -299,6 +302,7 @@ class Replicator:
                     if not self._abandoned:
                         self._destroy_group()
             finally:
+                self.thread_cpu_s += time.thread_time() - started
                 self._queue.task_done()
         self._queue.task_done()
 

@@ -340,6 +340,7 @@ class SnapshotEngine:
         self.bytes_issued = 0
         self.pieces_issued = 0
         self.pieces_checksummed = 0  # written by the worker only
+        self.worker_cpu_s = 0.0  # the worker's CPU time copying and checksumming (its writes)
         self.copy_lists: dict[tuple[tuple[str, ...], tuple[str, ...]], CopyList] = {}
         self.copy_list_builds = 0
         self._work: queue.Queue[tuple[Snapshot, list[torch.Tensor],
@@ -438,6 +439,7 @@ class SnapshotEngine:
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
+            started = time.thread_time()
             snapshot, sources, targets = item
             if snapshot.cuda_done is not None:
                 snapshot.cuda_done.synchronize()
@@ -452,6 +454,7 @@ class SnapshotEngine:
                     piece.checksum = (tensor_checksum(piece.tensors) if piece.buffers is None
                                       else piece.buffers.checksum())
                 self.pieces_checksummed += len(snapshot.pieces)
+            self.worker_cpu_s += time.thread_time() - started
             snapshot.checksummed.set()
 
 
