@@ -208,7 +208,9 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
             "replicas_copied": (len(metrics.get("replica_peers", []))
                                 - len(metrics.get("replica_peers_mapping", []))),
             "replicas_mapped": len(metrics.get("replica_peers_mapping", [])),
-            "host_mb": (metrics.get("host_snapshot_bytes_peak", 0)
+            # Snapshots placed in shared slots are counted once, with the slots.
+            "host_mb": (metrics.get("host_snapshot_own_bytes_peak",
+                                    metrics.get("host_snapshot_bytes_peak", 0))
                         + metrics.get("replica_bytes", 0)
                         + metrics.get("shared_slot_bytes_peak", 0)) / 2**20,
         })

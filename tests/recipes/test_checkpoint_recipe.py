@@ -34,6 +34,13 @@ def test_policy_runs_on_pp2_ep2(tmp_path: Path, policy: str) -> None:
         threads = metrics["checkpoint_thread_cpu_ms_per_iter"]
         assert threads["copy"] > 0
         assert (threads["replication"] > 0) == (policy != "checkfreq")
+        # One node, every peer mapping: gemini's snapshots go straight into the shared
+        # slots; the partial baselines' stores keep pieces of released snapshots, and
+        # CheckFreq has no peers, so they use host buffers of their own.
+        placed = policy == "gemini"
+        assert (metrics["host_snapshot_own_bytes_peak"] == 0) == placed, metrics
+        assert (metrics["host_buffer_bytes"] == 0) == placed
+        assert metrics["host_snapshot_bytes_peak"] > 0
     if policy == "checkfreq":  # dense snapshots persisted to disk, checksums intact
         files = metrics["persisted_files"]
         assert files and all(Path(f).is_file() for f in files)

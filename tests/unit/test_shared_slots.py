@@ -69,7 +69,7 @@ def _into_ring(snapshot: Snapshot, ring: SlotRing) -> tuple[torch.Tensor, Shared
     used: list[SharedSlot] = []
 
     def memory(nbytes: int) -> torch.Tensor:
-        used.append(ring.acquire(snapshot.plan.window_start, nbytes))
+        used.append(ring.acquire(nbytes))
         return used[-1].view(used[-1].capacity)
 
     target, length = codec.encode_snapshot_into(snapshot, memory)
@@ -101,32 +101,40 @@ def test_a_header_larger_than_guessed_gets_more_memory(
     assert torch.equal(target[:length], encode_snapshot(snapshot))
 
 
+def _sent(ring: SlotRing, window_start: int, nbytes: int) -> SharedSlot:
+    """A slot as the replication thread uses it: encoded into, then sent to the peers."""
+    ring.advance(window_start)
+    slot = ring.acquire(nbytes)
+    ring.sent(slot)
+    return slot
+
+
 def test_slots_are_rewritten_only_after_four_window_changes() -> None:
     ring = SlotRing()
-    first = ring.acquire(0, 1000)
-    held = [first] + [ring.acquire(start, 1000) for start in (1, 2, 3)]
+    first = _sent(ring, 0, 1000)
+    held = [first] + [_sent(ring, start, 1000) for start in (1, 2, 3)]
     assert len({s.serial for s in held}) == 4  # peers may still read every one of these
-    assert ring.acquire(3, 1000) is not first  # same window: still no reuse
-    assert ring.acquire(4, 1000) is first  # four window changes later it is free
+    assert _sent(ring, 3, 1000) is not first  # same window: still no reuse
+    assert _sent(ring, 4, 1000) is first  # four window changes later it is free
     assert ring.allocations == 5 and ring.nbytes() == ring.peak_bytes == 5 * first.capacity
     ring.abandon()  # a recovery superseded them: the next snapshot goes to a new slot
     assert ring.nbytes() == 0
-    assert ring.acquire(5, 1000).serial == 6
+    assert _sent(ring, 5, 1000).serial == 6
 
 
 def test_a_larger_snapshot_gets_a_slot_that_fits() -> None:
     ring = SlotRing()
-    small = ring.acquire(0, 10)
+    small = _sent(ring, 0, 10)
     for start in (1, 2, 3, 4):
-        ring.acquire(start, 10)
-    large = ring.acquire(5, 3 * small.capacity)  # the free one is too small
+        _sent(ring, start, 10)
+    large = _sent(ring, 5, 3 * small.capacity)  # the free one is too small
     assert large is not small and large.capacity >= 3 * small.capacity
 
 
 _SOURCE = r"""
 import sys, torch
 from lightning_moe_ckpt.checkpoint.shared_slots import SlotRing
-slot = SlotRing().acquire(0, 4096)
+slot = SlotRing().acquire(4096)
 slot.view(4096).copy_(torch.arange(4096) % 251)
 print(*slot.handle(4096).as_tensor().tolist(), flush=True)
 sys.stdin.read()  # until killed
@@ -160,7 +168,7 @@ def test_mapped_snapshots_are_never_reused_as_receive_buffers() -> None:
     mapper = SlotMapper()
     mapped_bytes = 0
     for start in range(4):
-        slot = ring.acquire(start, 64)
+        slot = _sent(ring, start, 64)
         slot.view(64).fill_(start)
         handle = slot.handle(64)
         store.put(1, start, start, mapper.view(handle), slot=slot_key(handle))

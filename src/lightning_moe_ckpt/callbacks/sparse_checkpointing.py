@@ -363,7 +363,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         coordinator = self.coordinator
         held = 0 if self.upstream_log is None else self.upstream_log.nbytes()
         if coordinator is not None:
-            held += coordinator.store.host_bytes()
+            held += coordinator.store.own_bytes()  # placed snapshots: in the slots below
             if coordinator.replica_store is not None:
                 held += coordinator.replica_store.nbytes()
             if coordinator.replicator is not None:

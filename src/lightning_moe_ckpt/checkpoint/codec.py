@@ -23,6 +23,9 @@ single-``torch.save`` encoding.
 :func:`encode_snapshot_into` writes the same bytes into memory the caller provides (a
 shared-memory slot that same-node replica peers map, :mod:`.shared_slots`): the piece
 bytes are copied by torch, which releases the GIL, so the training thread keeps running.
+:func:`encode_around_pieces` writes no piece bytes at all: the snapshot was copied into
+the slot at the places :func:`aligned_layout_head` leaves for them, and only the framing
+goes around them.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import io
 import math
 import pickle
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,11 +62,16 @@ class CorruptCheckpointError(RuntimeError):
     """A checkpoint piece is missing or fails its checksum."""
 
 
+def _snapshot_fields(snapshot: Snapshot) -> dict[str, Any]:
+    """The header's fields other than its piece index."""
+    return {"step": snapshot.step, "rank": snapshot.rank,
+            "window_start": snapshot.plan.window_start, "window": snapshot.plan.window,
+            "metadata": snapshot.metadata}
+
+
 def _snapshot_payload(snapshot: Snapshot) -> dict[str, Any]:
     return {
-        "step": snapshot.step, "rank": snapshot.rank,
-        "window_start": snapshot.plan.window_start, "window": snapshot.plan.window,
-        "metadata": snapshot.metadata,
+        **_snapshot_fields(snapshot),
         "pieces": {name: {"kind": piece.kind, "checksum": piece.checksum,
                           "tensors": piece.tensors,
                           "raw": None if piece.buffers is None else piece.buffers.raw,
@@ -167,6 +175,56 @@ def _pooled_layout_head(key: tuple[tuple[str, tuple[int, ...], torch.dtype], ...
                                  for name, shape, dtype in key))
 
 
+PIECE_ALIGNMENT = 64  # where :func:`aligned_layout_head` lets a piece's tensor bytes begin
+
+
+@functools.lru_cache(maxsize=4096)
+def aligned_layout_head(key: tuple[tuple[str, tuple[int, ...], torch.dtype], ...],
+                        offset: int) -> bytes:
+    """The layout head of a pooled piece (:func:`_pooled_layout_head`) whose blob starts at
+    ``offset``, padded so that its tensor bytes start at a multiple of
+    :data:`PIECE_ALIGNMENT`: the length prefix covers the padding, and unpickling the
+    layout ignores the bytes after it, so :func:`decode_snapshot` reads it unchanged."""
+    pickled = _pooled_layout_head(key)[_LAYOUT_LENGTH.size:]
+    unpadded = offset + _LAYOUT_LENGTH.size + len(pickled)
+    padding = -unpadded % PIECE_ALIGNMENT
+    return _LAYOUT_LENGTH.pack(len(pickled) + padding) + pickled + bytes(padding)
+
+
+def encode_around_pieces(snapshot: Snapshot, memory: torch.Tensor,
+                         heads: Sequence[tuple[int, bytes]], end: int) -> int | None:
+    """Frame a snapshot whose pieces already lie in ``memory`` (uint8): each piece's tensor
+    bytes right after the place of its head, ``heads`` giving (offset, head from
+    :func:`aligned_layout_head`) per piece in the snapshot's order, the last piece ending
+    at ``end``. Writes ``MAGIC``, the heads, the header and its length; no piece byte is
+    read or written (frame checksums follow from the pieces' checksums). Returns the
+    encoded length, the same bytes :func:`encode_snapshot` would give but for the heads'
+    padding, or None when the header does not fit behind ``end`` or the snapshot's pieces
+    are not (or no longer, a store let go of them) those ``heads`` frame."""
+    pieces = snapshot.pieces  # read once: a store letting go swaps in an empty dict
+    if len(pieces) != len(heads):
+        return None
+    data = raw_bytes(memory)
+    data[:len(MAGIC)] = MAGIC
+    index: dict[str, dict[str, Any]] = {}
+    for (offset, head), (name, piece) in zip(heads, pieces.items(), strict=True):
+        data[offset:offset + len(head)] = head
+        buffers = piece.buffers
+        assert buffers is not None  # placed pieces are views into ``memory``
+        index[name] = {"kind": piece.kind, "checksum": piece.checksum,
+                       "frame_checksum": _frame_checksum(head, buffers.raw, piece.checksum,
+                                                         buffers.names_crc),
+                       "offset": offset, "length": len(head) + piece.nbytes}
+    encoded = _header_bytes({**_snapshot_fields(snapshot), "piece_format": RAW_PIECES,
+                             "pieces": index})
+    length = end + len(encoded) + _LENGTH.size
+    if length > memory.numel():
+        return None
+    data[end:end + len(encoded)] = encoded
+    data[length - _LENGTH.size:length] = _LENGTH.pack(len(encoded))
+    return length
+
+
 def _write_piece(writer: io.BytesIO | _MemoryWriter, head: bytes, piece: dict[str, Any]) -> int:
     """Append one piece's blob (its layout ``head``, then the tensors' bytes in name order)
     to ``writer``; returns the blob's CRC32C.
@@ -188,8 +246,14 @@ def _write_piece(writer: io.BytesIO | _MemoryWriter, head: bytes, piece: dict[st
     else:
         for data in raw:
             writer.write(data)
+    return _frame_checksum(head, raw, piece["checksum"], piece.get("names_crc"))
+
+
+def _frame_checksum(head: bytes, raw: tuple[memoryview, ...], checksum: int | None,
+                    names_crc: int | None) -> int:
+    """CRC32C of a piece's blob: ``head``, then the tensor bytes ``raw``; derived from the
+    piece's tensor checksum (which starts at ``names_crc``) when it has one."""
     head_crc = bytes_checksum(head)
-    checksum, names_crc = piece["checksum"], piece.get("names_crc")
     if checksum is not None and names_crc is not None:
         return reseed_checksum(checksum, names_crc, head_crc, sum(map(len, raw)))
     crc = head_crc

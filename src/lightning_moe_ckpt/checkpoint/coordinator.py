@@ -174,7 +174,12 @@ class CheckpointCoordinator(StepHooks):
         self._take(CapturePlan(step, names, (), step, 0, 1, None), result=None)
 
     def _take(self, plan: CapturePlan, result: StepResult | None) -> int:
-        snapshot = self.snapshots.issue(plan, self._metadata(plan, result))
+        replicator = self.replicator
+        # Copied straight into the slot its mapping peers read (slot_placement), when the
+        # store lets go of whole snapshots; the engine places host copies only.
+        placement = (None if replicator is None or self.store.keeps_released_pieces
+                     else replicator.placement)
+        snapshot = self.snapshots.issue(plan, self._metadata(plan, result), placement)
         self.store.add(snapshot)
         self.snapshots_taken += 1
         self._count_coverage(plan)
@@ -337,6 +342,9 @@ class CheckpointCoordinator(StepHooks):
             "windows_taken": len(self.windows_seen),
             "persisted_window_start": self.store.persisted_start,
             "host_snapshot_bytes_peak": self.store.peak_bytes,
+            # Of those, in host buffers of the rank's own: snapshots placed in shared slots
+            # are in shared_slot_bytes_peak.
+            "host_snapshot_own_bytes_peak": self.store.peak_own_bytes,
             "host_buffer_bytes": self.pool.allocated_bytes,
             "replica_bytes": 0 if self.replica_store is None else self.replica_store.nbytes(),
             "replica_mapped_bytes": (0 if self.replica_store is None

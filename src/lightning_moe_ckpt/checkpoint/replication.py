@@ -38,7 +38,6 @@ from lightning_moe_ckpt.checkpoint.codec import (
     CorruptCheckpointError,
     decode_snapshot,
     encode_snapshot,
-    encode_snapshot_into,
 )
 from lightning_moe_ckpt.checkpoint.shared_slots import (
     SharedSlot,
@@ -48,6 +47,7 @@ from lightning_moe_ckpt.checkpoint.shared_slots import (
     mappable_sources,
     slot_key,
 )
+from lightning_moe_ckpt.checkpoint.slot_placement import SlotPlacement, encode_in_slot
 from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
 
 __all__ = ["CorruptCheckpointError", "ReplicaStore", "Replicator", "decode_snapshot",
@@ -174,6 +174,9 @@ class Replicator:
         self.mapped_sources, self.mapping_peers = mappable_sources(group, self.sources,
                                                                    same_node)
         self.slots = SlotRing() if self.mapping_peers else None
+        # Where snapshots may be copied straight into the slots (host copies, a store that
+        # lets go of whole snapshots: the coordinator decides).
+        self.placement = None if self.slots is None else SlotPlacement(self.slots)
         # Receive buffers of the small messages, reused: the sources' slot handles and the
         # mapping peers' acknowledgements (read before the next exchange overwrites them).
         self._handle_buffers = {s: torch.zeros(SlotHandle.FIELDS, dtype=torch.int64)
@@ -289,6 +292,8 @@ class Replicator:
             try:
                 if self.error is None:  # else the group is broken: nothing is replicated
                     self._replicate(snapshot)
+                elif snapshot.backing is not None:  # no peer will hold it
+                    snapshot.backing.ring.sent(snapshot.backing.slot, to_peers=False)
             except (RuntimeError, dist.DistBackendError, OSError) as error:
                 # OSError: a source died before this rank could map its slot. Kept without
                 # its traceback, whose frames would keep the transfer, and so the group,
@@ -316,7 +321,16 @@ class Replicator:
     def _replicate(self, snapshot: Snapshot) -> None:
         """Send ``snapshot`` to the peers and receive the sources' of the same step."""
         snapshot.checksummed.wait()
-        data, handle = self._encode(snapshot)
+        data, handle, slot = self._encode(snapshot)
+        try:
+            self._send(snapshot, data, handle)
+        finally:  # also after a failed exchange: some peer may have mapped it
+            if slot is not None and self.slots is not None:
+                self.slots.sent(slot)
+
+    def _send(self, snapshot: Snapshot, data: torch.Tensor, handle: SlotHandle) -> None:
+        """Exchange ``snapshot`` (encoded as ``data``, found through ``handle``) with the
+        peers, and the sources' of the same step."""
         group = self.live_group()
         handles = self._handle_buffers
         sent = handle.as_tensor()
@@ -345,20 +359,16 @@ class Replicator:
         self.completed += 1
         self.on_replicated(start, snapshot.step)
 
-    def _encode(self, snapshot: Snapshot) -> tuple[torch.Tensor, SlotHandle]:
-        """The encoded snapshot, in a shared slot when some peer maps this rank's."""
+    def _encode(self, snapshot: Snapshot
+                ) -> tuple[torch.Tensor, SlotHandle, SharedSlot | None]:
+        """The encoded snapshot, in a shared slot when some peer maps this rank's: framed
+        in the slot its pieces were placed in, or else copied into one."""
         if self.slots is None:
             data = encode_snapshot(snapshot)
-            return data, SlotHandle(data.numel(), 0, 0, 0, 0, 0)
-        slots = self.slots
-        used: list[SharedSlot] = []
-
-        def memory(nbytes: int) -> torch.Tensor:
-            used.append(slots.acquire(snapshot.plan.window_start, nbytes))
-            return used[-1].view(used[-1].capacity)
-
-        target, length = encode_snapshot_into(snapshot, memory)
-        return target[:length], used[-1].handle(length)
+            return data, SlotHandle(data.numel(), 0, 0, 0, 0, 0), None
+        assert self.placement is not None  # it comes with the slots
+        data, slot = encode_in_slot(snapshot, self.placement)
+        return data, slot.handle(data.numel()), slot
 
     def abandon_slots(self) -> None:
         """Encode the next snapshots into new slots: peers may still need the bytes in the

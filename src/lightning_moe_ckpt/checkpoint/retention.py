@@ -40,6 +40,8 @@ from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 class RetainingSnapshotStore(SnapshotStore):
     """Two windows plus, per operator, its newest master save from freed windows."""
 
+    keeps_released_pieces = True
+
     def __init__(self, pool: HostBufferPool, replicas: int) -> None:
         super().__init__(pool, replicas)
         self.saves: dict[str, Snapshot] = {}  # operator -> one-piece snapshot of its save

@@ -13,11 +13,15 @@ system, so nothing is left behind when processes die. Remote peers receive the s
 bytes as before, so encoding into a slot costs them nothing extra.
 
 Slots are reused (:class:`SlotRing`): a peer keeps a source's two newest windows, and it
-has filed the snapshot before last by the time the source encodes the next one (each
-exchange waits for the previous one), so a slot is rewritten only four window changes
-after it was filled. A rank whose snapshots a recovery superseded, or whose host memory a
-simulated failure took, abandons its slots (:meth:`SlotRing.abandon`) instead: the peers'
-mappings keep the old bytes for as long as they need them, and new snapshots go to new slots.
+has filed the snapshot before last by the time the source sends the next one (each
+exchange waits for the previous one), so a slot is rewritten only once the replication
+thread has sent snapshots of four later windows (counted in the order it sends them, which
+may lag the order snapshots are taken in). A slot may also hold a snapshot from the moment
+it is taken (:mod:`.slot_placement`): then the rank's own store holds it as well, and the
+slot is rewritten only once the store let go too. A rank whose snapshots a recovery
+superseded, or whose host memory a simulated failure took, abandons its slots
+(:meth:`SlotRing.abandon`) instead: the peers' mappings keep the old bytes for as long as
+they need them, and new snapshots go to new slots.
 
 Whether a peer can map a source's memory (same node and PID namespace, an OS that allows
 it) is tested once per replication group with a random token (:func:`mappable_sources`);
@@ -29,10 +33,16 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import threading
+import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_moe_ckpt.checkpoint.snapshot import CopyList, PieceBuffers
 
 # ``checkpoint.same_node_replicas``: a same-node peer maps the snapshot, or copies it.
 SAME_NODE_REPLICAS = ("shared", "copied")
@@ -42,6 +52,7 @@ SHARED_MEMORY = hasattr(os, "memfd_create")
 
 _PAGE = 1 << 16  # slot capacities are rounded up to this
 _KEEP_EPOCHS = 4  # window changes a slot's bytes must survive (see the module docstring)
+_NEVER_SENT = -(1 << 62)  # the epoch of a slot whose snapshot no peer was sent
 _FREE_SLOTS = 4  # unused slots kept for reuse
 _RECENT_SLOTS = 16  # slots a peer keeps mapped after use: a source's ring, over its sources
 _PROBE_BYTES = 16
@@ -89,7 +100,16 @@ class SharedSlot:
         os.ftruncate(self.fd, capacity)
         self.memory = mmap.mmap(self.fd, capacity)
         self.data = memoryview(self.memory)  # writes go through here
-        self.epoch = -1
+        self.bytes = torch.frombuffer(self.memory, dtype=torch.uint8)  # the same, as a tensor
+        # The replication epoch its snapshot was sent in (None: not yet handled by the
+        # replication thread), and whether the rank's own store still holds it.
+        self.epoch: int | None = None
+        self.store_held = False
+        # Buffers of snapshots placed here before (:mod:`.slot_placement`), by copy list
+        # (weakly: a rebuilt copy list's entry goes with it): a slot that comes back for the
+        # same plan shape reuses its views.
+        self.placements: weakref.WeakKeyDictionary[CopyList, tuple[PieceBuffers, ...]] = (
+            weakref.WeakKeyDictionary())
 
     def handle(self, length: int) -> SlotHandle:
         """The handle of this slot's first ``length`` bytes."""
@@ -97,7 +117,7 @@ class SharedSlot:
 
     def view(self, length: int) -> torch.Tensor:
         """The first ``length`` bytes as a uint8 tensor (no copy)."""
-        return torch.frombuffer(self.memory, dtype=torch.uint8, count=length)
+        return self.bytes[:length]
 
     def close(self) -> None:
         """Give up the file descriptor; the memory lives on while anyone maps it."""
@@ -106,54 +126,93 @@ class SharedSlot:
 
 
 class SlotRing:
-    """The slots one rank encodes its snapshots into, reused once peers let go of them."""
+    """The slots one rank encodes its snapshots into, reused once peers (and, for a
+    snapshot placed at issue, the rank's own store) let go of them.
+
+    The training thread (placing a snapshot, its store releasing one) and the replication
+    thread (encoding, sending) both use the ring: its bookkeeping runs under a lock."""
 
     def __init__(self) -> None:
         self.token = _process_token()
         self._serial = 0
         self._epoch = 0
         self._window_start: int | None = None
+        self._lock = threading.Lock()
         self.in_use: list[SharedSlot] = []
         self.free: list[SharedSlot] = []
         self.allocations = 0
         self.peak_bytes = 0
 
-    def acquire(self, window_start: int, nbytes: int) -> SharedSlot:
-        """A slot of at least ``nbytes`` for a snapshot of the window at ``window_start``."""
-        if window_start != self._window_start:
+    def advance(self, window_start: int) -> None:
+        """The replication thread is about to send a snapshot of the window at
+        ``window_start``: a new window is a new epoch, and slots sent four epochs ago that
+        nothing else holds become free."""
+        with self._lock:
+            if window_start == self._window_start:
+                return
             self._window_start = window_start
             self._epoch += 1
-            released = [s for s in self.in_use if s.epoch <= self._epoch - _KEEP_EPOCHS]
-            self.in_use = [s for s in self.in_use if s.epoch > self._epoch - _KEEP_EPOCHS]
-            self.free.extend(released)
-        fitting = [s for s in self.free if s.capacity >= nbytes]
-        if fitting:
-            slot = min(fitting, key=lambda s: s.capacity)
-            self.free.remove(slot)
-        else:
-            capacity = -(-(nbytes + nbytes // 16) // _PAGE) * _PAGE
-            self._serial += 1
-            self.allocations += 1
-            slot = SharedSlot(self._serial, capacity, self.token)
-            self.peak_bytes = max(self.peak_bytes, self.nbytes() + capacity)
-        while len(self.free) > _FREE_SLOTS:  # the smallest are the least likely to fit
-            smallest = min(self.free, key=lambda s: s.capacity)
-            self.free.remove(smallest)
-            smallest.close()
-        slot.epoch = self._epoch
-        self.in_use.append(slot)
-        return slot
+            self._reclaim()
+
+    def acquire(self, nbytes: int, store_held: bool = False) -> SharedSlot:
+        """A slot of at least ``nbytes``: for the replication thread to encode a snapshot
+        into (``store_held`` False), or for a snapshot placed at issue, which the rank's
+        store then holds until :meth:`release_store`."""
+        with self._lock:
+            self._reclaim()
+            fitting = [s for s in self.free if s.capacity >= nbytes]
+            if fitting:
+                slot = min(fitting, key=lambda s: s.capacity)
+                self.free.remove(slot)
+            else:
+                capacity = -(-(nbytes + nbytes // 16) // _PAGE) * _PAGE
+                self._serial += 1
+                self.allocations += 1
+                slot = SharedSlot(self._serial, capacity, self.token)
+                self.peak_bytes = max(self.peak_bytes, self._nbytes() + capacity)
+            while len(self.free) > _FREE_SLOTS:  # the smallest are the least likely to fit
+                smallest = min(self.free, key=lambda s: s.capacity)
+                self.free.remove(smallest)
+                smallest.close()
+            slot.epoch, slot.store_held = None, store_held
+            self.in_use.append(slot)
+            return slot
+
+    def sent(self, slot: SharedSlot, to_peers: bool = True) -> None:
+        """The replication thread is done with ``slot``'s snapshot: it went to the peers in
+        the current epoch, or (``to_peers`` False) to none, which leaves nothing to wait
+        for."""
+        with self._lock:
+            slot.epoch = self._epoch if to_peers else _NEVER_SENT
+
+    def release_store(self, slot: SharedSlot) -> None:
+        """The rank's store let go of the snapshot placed in ``slot``."""
+        with self._lock:
+            slot.store_held = False
+
+    def _reclaim(self) -> None:
+        oldest = self._epoch - _KEEP_EPOCHS
+        reusable = [s for s in self.in_use
+                    if not s.store_held and s.epoch is not None and s.epoch <= oldest]
+        if reusable:
+            self.in_use = [s for s in self.in_use if s not in reusable]
+            self.free.extend(reusable)
 
     def abandon(self) -> None:
         """Stop writing into every slot: peers may still read them (a recovery fetches from
-        them), so new snapshots go to new slots."""
-        for slot in [*self.in_use, *self.free]:
-            slot.close()
-        self.in_use, self.free = [], []
-        self._window_start = None
+        them), so new snapshots go to new slots. Snapshots placed in them stay readable."""
+        with self._lock:
+            for slot in [*self.in_use, *self.free]:
+                slot.close()
+            self.in_use, self.free = [], []
+            self._window_start = None
 
     def nbytes(self) -> int:
         """Bytes of shared memory this rank holds for its snapshots."""
+        with self._lock:
+            return self._nbytes()
+
+    def _nbytes(self) -> int:
         return sum(s.capacity for s in [*self.in_use, *self.free])
 
 

@@ -47,6 +47,7 @@ from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess, StateFinger
 
 if TYPE_CHECKING:
     from lightning_moe_ckpt.checkpoint.planners import CapturePlan
+    from lightning_moe_ckpt.checkpoint.slot_placement import SlotBacking, SlotPlacement
 
 PieceKind = Literal["master", "compute"]
 
@@ -182,27 +183,41 @@ class PieceBuffers:
     at_issue: tuple[torch.Tensor, ...]  # targets of its at_issue_sources, in order
     block: torch.Tensor | None = None  # the one uint8 block ``raw`` reads, when packed
 
+    @staticmethod
+    def packed_size(layout: PieceLayout) -> int | None:
+        """Bytes of one block holding ``layout``'s tensors back to back in name order, or
+        None when some tensor's offset in it would not be a multiple of its element size."""
+        offset = 0
+        for source in layout.sources:
+            if offset % source.element_size():
+                return None
+            offset += source.numel() * source.element_size()
+        return offset
+
     @classmethod
     def allocate(cls, layout: PieceLayout, pin_memory: bool) -> PieceBuffers:
         """Fresh buffers shaped like ``layout``'s sources."""
-        offsets, offset = [], 0
-        for source in layout.sources:
-            offsets.append(offset)
-            offset += source.numel() * source.element_size()
-        packed = all(o % s.element_size() == 0
-                     for o, s in zip(offsets, layout.sources, strict=True))
-        if packed:
-            block = torch.empty(offset, dtype=torch.uint8, pin_memory=pin_memory)
-            tensors = {name: block[o:o + s.numel() * s.element_size()].view(s.dtype)
-                       .view(s.shape)
-                       for name, s, o in zip(layout.names, layout.sources, offsets,
-                                             strict=True)}
-            raw: tuple[memoryview, ...] = (raw_bytes(block),)
-        else:
-            block = None
-            tensors = {name: torch.empty(s.shape, dtype=s.dtype, pin_memory=pin_memory)
-                       for name, s in zip(layout.names, layout.sources, strict=True)}
-            raw = tuple(raw_bytes(t) for t in tensors.values())
+        size = cls.packed_size(layout)
+        if size is not None:
+            return cls.over(layout, torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory))
+        tensors = {name: torch.empty(s.shape, dtype=s.dtype, pin_memory=pin_memory)
+                   for name, s in zip(layout.names, layout.sources, strict=True)}
+        return cls._of(layout, tensors, tuple(raw_bytes(t) for t in tensors.values()), None)
+
+    @classmethod
+    def over(cls, layout: PieceLayout, block: torch.Tensor) -> PieceBuffers:
+        """Buffers of a packable ``layout`` (:meth:`packed_size`) as views into ``block``
+        (uint8, that many bytes, 64-byte aligned: memory someone else provides)."""
+        tensors, offset = {}, 0
+        for name, source in zip(layout.names, layout.sources, strict=True):
+            end = offset + source.numel() * source.element_size()
+            tensors[name] = block[offset:end].view(source.dtype).view(source.shape)
+            offset = end
+        return cls._of(layout, tensors, (raw_bytes(block),), block)
+
+    @classmethod
+    def _of(cls, layout: PieceLayout, tensors: dict[str, torch.Tensor],
+            raw: tuple[memoryview, ...], block: torch.Tensor | None) -> PieceBuffers:
         return cls(layout.key, tensors, raw, names_checksum(layout.names),
                    tuple(tensors[n] for n in layout.names if n not in layout.at_issue),
                    tuple(tensors[n] for n in layout.names if n in layout.at_issue), block)
@@ -253,6 +268,7 @@ class Snapshot:
     copied: threading.Event = field(default_factory=threading.Event)
     checksummed: threading.Event = field(default_factory=threading.Event)
     cuda_done: Any = None  # torch.cuda.Event on the CUDA path
+    backing: SlotBacking | None = None  # the shared slot its pieces lie in, when placed
     _nbytes: int | None = field(default=None, repr=False)
 
     @property
@@ -289,17 +305,24 @@ class HostBufferPool:
 
     def release(self, snapshot: Snapshot) -> None:
         """Return a snapshot's buffers to the pool (pieces made elsewhere, e.g. decoded
-        from a peer, own no pooled buffers and are simply dropped)."""
-        for piece in snapshot.take_pieces().values():
+        from a peer, own no pooled buffers and are simply dropped; a snapshot placed in a
+        shared slot hands the slot back instead)."""
+        pieces = snapshot.take_pieces()
+        if snapshot.backing is not None:
+            if pieces:  # once: the slot may hold another snapshot after that
+                snapshot.backing.release()
+            return
+        for piece in pieces.values():
             if piece.buffers is not None:
                 self._free[piece.buffers.key].append(piece.buffers)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CopyList:
     """Everything :meth:`SnapshotEngine.issue` needs for one plan shape, built once: the
     plan repeats every W iterations, so steady-state issuing is a few operations per piece
-    and none per tensor. Valid while :attr:`fingerprint` matches the live state."""
+    and none per tensor. Valid while :attr:`fingerprint` matches the live state. Equal only
+    to itself (it is a cache key of its buffers' views, by identity)."""
 
     pieces: tuple[PieceLayout, ...]
     sources: tuple[torch.Tensor, ...]  # copied behind the next iteration
@@ -377,21 +400,25 @@ class SnapshotEngine:
         self.copy_list_builds += 1
         return built
 
-    def issue(self, plan: CapturePlan, metadata: dict[str, Any]) -> Snapshot:
-        """Start copying SS_{plan.iteration}; returns immediately."""
+    def issue(self, plan: CapturePlan, metadata: dict[str, Any],
+              placement: SlotPlacement | None = None) -> Snapshot:
+        """Start copying SS_{plan.iteration}; returns immediately. With a ``placement``
+        (host copies only) the pieces go straight into a shared slot where they fit."""
         copies = self.copy_list(plan)
         pieces: dict[str, SnapshotPiece] = {}
         targets: list[torch.Tensor] = []
         at_issue: list[torch.Tensor] = []
-        for layout in copies.pieces:
-            buffers = self.pool.acquire(layout)
+        backing = None if placement is None or self.cuda else placement.place(copies)
+        for index, layout in enumerate(copies.pieces):
+            buffers = (self.pool.acquire(layout) if backing is None
+                       else backing.buffers[index])
             targets.extend(buffers.behind)  # name order, as the sources
             at_issue.extend(buffers.at_issue)
             piece = SnapshotPiece(layout.operator, layout.kind, buffers.tensors,
                                   buffers=buffers)
             piece.nbytes = layout.nbytes  # known: spares a sum over the tensors
             pieces[layout.operator] = piece
-        snapshot = Snapshot(plan.iteration, self.rank, plan, pieces, metadata)
+        snapshot = Snapshot(plan.iteration, self.rank, plan, pieces, metadata, backing=backing)
         self.bytes_issued += snapshot.nbytes
         self.pieces_issued += len(pieces)
         sources = list(copies.sources)

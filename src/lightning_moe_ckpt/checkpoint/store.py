@@ -48,6 +48,10 @@ class WindowRecord:
 class SnapshotStore:
     """Windows of one rank, from the newest persisted one on."""
 
+    # Whether pieces of a released snapshot may stay held (by a subclass): such a store's
+    # snapshots cannot share memory that is reused once the snapshot is released.
+    keeps_released_pieces = False
+
     def __init__(self, pool: HostBufferPool, replicas: int) -> None:
         self.pool = pool
         self.replicas = replicas
@@ -57,6 +61,10 @@ class SnapshotStore:
         self._kept_from: int | None = None
         self.peak_bytes = 0
         self._held_bytes = 0  # kept as windows come and go: summing pieces every step costs
+        # Of those, the bytes of snapshots placed in shared slots (counted with the slots),
+        # and the peak of the rest: what the store holds in host buffers of its own.
+        self._placed_bytes = 0
+        self.peak_own_bytes = 0
 
     def add(self, snapshot: Snapshot) -> WindowRecord:
         """File a newly issued snapshot under its window."""
@@ -65,14 +73,23 @@ class SnapshotStore:
                                          WindowRecord(plan.window_start, plan.window))
         replaced = record.snapshots.get(snapshot.step)
         record.snapshots[snapshot.step] = snapshot
-        self._held_bytes += snapshot.nbytes - (0 if replaced is None else replaced.nbytes)
-        self.peak_bytes = max(self.peak_bytes, self.host_bytes())
+        self._count(snapshot, 1)
+        if replaced is not None:
+            self._count(replaced, -1)
+        self.peak_bytes = max(self.peak_bytes, self._held_bytes)
+        self.peak_own_bytes = max(self.peak_own_bytes, self._held_bytes - self._placed_bytes)
         return record
+
+    def _count(self, snapshot: Snapshot, sign: int) -> None:
+        self._held_bytes += sign * snapshot.nbytes
+        if snapshot.backing is not None:
+            self._placed_bytes += sign * snapshot.nbytes
 
     def _pop(self, start: int) -> WindowRecord:
         """Take the window at ``start`` out of the store (its snapshots still intact)."""
         record = self.windows.pop(start)
-        self._held_bytes -= record.nbytes
+        for snapshot in record.snapshots.values():
+            self._count(snapshot, -1)
         return record
 
     def mark_replicated(self, window_start: int, step: int) -> None:
@@ -132,3 +149,8 @@ class SnapshotStore:
     def host_bytes(self) -> int:
         """Bytes of snapshot data currently held."""
         return self._held_bytes
+
+    def own_bytes(self) -> int:
+        """Bytes of snapshot data currently held in host buffers of the store's own (not
+        placed in shared slots, whose bytes the slot ring counts)."""
+        return self._held_bytes - self._placed_bytes
