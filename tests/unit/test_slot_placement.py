@@ -5,8 +5,6 @@ than four windows included), and memory stays bounded over 2,000 steps."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -34,19 +32,7 @@ from lightning_moe_ckpt.checkpoint.snapshot import (
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.settings import settings_from_config
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The fields of a capture plan the engine, the store and the codec read."""
-
-    iteration: int
-    master: tuple[str, ...]
-    compute: tuple[str, ...]
-    window_start: int
-    window_index: int
-    window: int
-    schedule: dict | None = None
+from tests.unit.capture_plans import Plan, round_robin
 
 
 def _engine() -> TrainingEngine:
@@ -57,13 +43,6 @@ def _engine() -> TrainingEngine:
     tokens = torch.randint(0, 256, (2, 4, 17), generator=torch.Generator().manual_seed(0))
     engine.train_iteration(tokens[..., :-1], tokens[..., 1:])  # optimizer state exists
     return engine
-
-
-def _plan(names: tuple[str, ...], step: int, window: int) -> Plan:
-    start, index = step - step % window, step % window
-    return Plan(step, names[index::window],
-                tuple(n for i in range(index + 1, window) for n in names[i::window]),
-                start, index, window)
 
 
 def _captured(engine: TrainingEngine) -> list[torch.Tensor]:
@@ -89,7 +68,7 @@ def test_a_placed_snapshot_decodes_to_the_bits_of_the_replication_encoding() -> 
     snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cpu"))
     placement = SlotPlacement(SlotRing())
     metadata = {"step": 4, "rng": torch.get_rng_state()}
-    snapshot = _taken(snapshots, _plan(names, 4, 3), placement, metadata)
+    snapshot = _taken(snapshots, round_robin(names, 4, 3), placement, metadata)
     assert snapshot.backing is not None and snapshots.pool.allocations == 0
     data, slot = encode_in_slot(snapshot, placement)
     assert slot is snapshot.backing.slot  # framed in place, not copied
@@ -106,7 +85,7 @@ def test_a_placed_snapshot_decodes_to_the_bits_of_the_replication_encoding() -> 
     assert torch.equal(placed["metadata"]["rng"], metadata["rng"])
     # The same plan shape again: the slot's views are reused, nothing new is built.
     slot.epoch, slot.store_held = -(1 << 62), False  # as if long sent and released
-    again = _taken(snapshots, _plan(names, 4, 3), placement)
+    again = _taken(snapshots, round_robin(names, 4, 3), placement)
     assert again.backing is not None and again.backing.slot is slot
     assert again.backing.buffers is snapshot.backing.buffers
     snapshots.close()
@@ -120,7 +99,7 @@ def test_a_flipped_bit_anywhere_in_a_placed_piece_is_refused(position: float, bi
     engine = _ENGINE
     names = tuple(engine.registry.names)
     placement = SlotPlacement(SlotRing())
-    snapshot = _taken(_SNAPSHOTS, _plan(names, 7, 2), placement)
+    snapshot = _taken(_SNAPSHOTS, round_robin(names, 7, 2), placement)
     data, _ = encode_in_slot(snapshot, placement)
     pieces = snapshot_header(data)["pieces"]
     name = sorted(pieces)[which % len(pieces)]
@@ -144,7 +123,7 @@ def test_a_header_that_outgrows_its_room_is_copied_into_another_slot(
     ring = SlotRing()
     placement = SlotPlacement(ring)
     metadata = {"big": torch.zeros(1 << 23, dtype=torch.uint8)}  # an 8 MiB header
-    snapshot = _taken(snapshots, _plan(names, 0, 1), placement, metadata)
+    snapshot = _taken(snapshots, round_robin(names, 0, 1), placement, metadata)
     assert snapshot.backing is not None
     data, slot = encode_in_slot(snapshot, placement)
     assert slot is not snapshot.backing.slot and placement.header_room == 16
@@ -222,7 +201,7 @@ def test_no_slot_a_peer_holds_is_rewritten_and_memory_stays_bounded(lag_windows:
     captured = _captured(engine)
     for step in range(steps):
         torch._foreach_add_(captured, 1.0)  # new values every step (cheaper than training)
-        snapshot = _taken(snapshots, _plan(names, step, window), placement)
+        snapshot = _taken(snapshots, round_robin(names, step, window), placement)
         check(step)  # the copy went to a slot nobody may read
         assert snapshot.backing is not None
         store.add(snapshot)

@@ -3,8 +3,6 @@ checksums, buffer reuse, and the store's two-window bound."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -18,19 +16,7 @@ from lightning_moe_ckpt.targets.base import StepHooks
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.settings import settings_from_config
 from tests.anymodel.models import bias_balanced_moe
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The fields of a capture plan the engine and the store read."""
-
-    iteration: int
-    master: tuple[str, ...]
-    compute: tuple[str, ...]
-    window_start: int
-    window_index: int
-    window: int
-    schedule: dict | None = None
+from tests.unit.capture_plans import Plan, round_robin
 
 
 def _engine(precision: Precision) -> TrainingEngine:
@@ -118,9 +104,8 @@ def test_buffers_are_reused_and_store_keeps_two_windows() -> None:
     sizes = []
     for step in range(12):
         engine.train_iteration(*_batch(step))
-        start, index = step - step % window, step % window
-        plan = Plan(step, tuple(names[index::window]), tuple(
-            n for i in range(index + 1, window) for n in names[i::window]), start, index, window)
+        plan = round_robin(tuple(names), step, window)
+        start = plan.window_start
         store.add(snapshots.issue(plan, {}))  # type: ignore[arg-type]
         snapshots.wait_copies()
         for snap in store.windows[start].snapshots.values():
