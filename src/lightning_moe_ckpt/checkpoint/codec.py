@@ -197,7 +197,8 @@ def encode_around_pieces(snapshot: Snapshot, memory: torch.Tensor,
     bytes right after the place of its head, ``heads`` giving (offset, head from
     :func:`aligned_layout_head`) per piece in the snapshot's order, the last piece ending
     at ``end``. Writes ``MAGIC``, the heads, the header and its length; no piece byte is
-    read or written (frame checksums follow from the pieces' checksums). Returns the
+    written, nor read where a piece has its checksum (its frame checksum follows from it;
+    a piece whose copy was cut short has none, and its bytes are read). Returns the
     encoded length, the same bytes :func:`encode_snapshot` would give but for the heads'
     padding, or None when the header does not fit behind ``end`` or the snapshot's pieces
     are not (or no longer, a store let go of them) those ``heads`` frame."""
