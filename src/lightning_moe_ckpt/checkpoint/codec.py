@@ -53,6 +53,7 @@ MAGIC = b"MOESNAP3"
 # the same header, on the replication thread for every snapshot); still read.
 _TORCH_HEADER_MAGIC = b"MOESNAP2"
 _LENGTH = struct.Struct("<Q")
+HEADER_LENGTH_BYTES = _LENGTH.size  # the header's length, the encoding's last bytes
 _LAYOUT_LENGTH = struct.Struct("<I")
 RAW_PIECES = "raw"  # the header's ``piece_format``: layout + raw bytes (absent: torch.save)
 _HEADER_GUESS = 1 << 16  # room left for the header when encoding into given memory

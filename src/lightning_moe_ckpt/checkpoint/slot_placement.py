@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_moe_ckpt.checkpoint.codec import (
+    HEADER_LENGTH_BYTES,
     MAGIC,
     aligned_layout_head,
     encode_around_pieces,
@@ -39,7 +40,6 @@ from lightning_moe_ckpt.checkpoint.snapshot import CopyList, PieceBuffers, Snaps
 # 16 KiB for the built-in model); a larger one is encoded by a copy into another slot, and
 # the room grows for the next snapshots.
 _HEADER_ROOM = 1 << 16
-_LENGTH_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,6 @@ class SlotPlacement:
         self.header_room = _HEADER_ROOM  # grown by the replication thread when short
         self._layouts: weakref.WeakKeyDictionary[CopyList, SlotLayout | None] = (
             weakref.WeakKeyDictionary())
-        self.placed = 0
 
     def place(self, copies: CopyList) -> SlotBacking | None:
         """A slot holding buffers for ``copies``' pieces (held for the store), or None when
@@ -101,21 +100,17 @@ class SlotPlacement:
         layout = self._layouts[copies]
         if layout is None:
             return None
-        slot = self.ring.acquire(layout.end + self.header_room + _LENGTH_BYTES, store_held=True)
+        slot = self.ring.acquire(layout.end + self.header_room + HEADER_LENGTH_BYTES,
+                                 store_held=True)
         # Views of a slot are built once per copy list (a slot comes back for the same plan
         # shape every few windows): no per-tensor work on the training thread after that.
         buffers = slot.placements.get(copies)
         if buffers is None:
-            buffers = tuple(PieceBuffers.over(piece, _block(slot, offset, piece.nbytes))
+            buffers = tuple(PieceBuffers.over(piece, slot.bytes[offset:offset + piece.nbytes])
                             for piece, offset in zip(copies.pieces, layout.data_offsets,
                                                      strict=True))
             slot.placements[copies] = buffers
-        self.placed += 1
         return SlotBacking(self.ring, slot, layout, buffers)
-
-
-def _block(slot: SharedSlot, offset: int, nbytes: int) -> torch.Tensor:
-    return slot.bytes[offset:offset + nbytes]
 
 
 def encode_in_slot(snapshot: Snapshot, placement: SlotPlacement) -> tuple[torch.Tensor, SharedSlot]:
