@@ -403,7 +403,7 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
                                    "checkpoint_host_bytes": 0 if checkpointing is None
                                    else checkpointing.host_bytes()})
         if done % settings.val_every == 0 or done == settings.max_steps:
-            loss, perplexity = evaluate(engine.executor, val, metrics)
+            loss, perplexity = evaluate(engine.executor, val, metrics, fabric.device)
             history.validation.append(ValidationRecord(done, loss, perplexity))
             fabric.log_dict({"val/loss": loss, "val/perplexity": perplexity}, step=done - 1)
     if checkpointing is not None:

@@ -133,6 +133,11 @@ class TrainingEngine(TrainingTarget):
         """One optimizer step. ``backward``/``step`` let Lightning wrap them (defaults:
         ``loss.backward()`` and the raw optimizer step)."""
         self.begin_iteration()  # e.g. failure injection, which may recover first
+        # Batches come from the host-side sampler (the loop's and replay's alike): on a GPU
+        # they go to the model's device here, once for every caller.
+        device = next(self.model.parameters()).device
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
         optimizer_step = step if step is not None else self.optimizer.step
 
         stepped = False

@@ -144,6 +144,7 @@ class MoELanguageModule(L.LightningModule):
         if not self.history.validation or self.history.validation[-1].step != self.global_step:
             dataset = IterationDataset(self.run_data().val, self.settings.val_batches,
                                        shard=self.data_shard)
-            loss, perplexity = evaluate(self._engine().executor, dataset, self.val_metrics)
+            loss, perplexity = evaluate(self._engine().executor, dataset, self.val_metrics,
+                                        self.device)
             self.history.validation.append(
                 ValidationRecord(self.global_step, loss, perplexity))

@@ -49,6 +49,8 @@ class ValidationMetrics:
 
     def update(self, loss: torch.Tensor, tokens: int) -> None:
         """Accumulate one batch's mean loss over ``tokens`` tokens."""
+        if self.loss.device != loss.device:  # the states live where the losses are (and
+            self.loss.to(loss.device)  # are synchronised there: NCCL needs the GPU)
         self.loss.update(loss.detach().float(), weight=float(tokens))
 
     def compute_and_reset(self) -> tuple[float, float]:
@@ -59,9 +61,11 @@ class ValidationMetrics:
 
 
 def evaluate(executor: Executor, batches: Iterable[dict[str, Any]],
-             metrics: ValidationMetrics) -> tuple[float, float]:
-    """Validation ``(loss, perplexity)`` over iteration-shaped ``batches``."""
+             metrics: ValidationMetrics, device: torch.device) -> tuple[float, float]:
+    """Validation ``(loss, perplexity)`` over iteration-shaped host ``batches``, run on
+    ``device``."""
     for batch in batches:
-        metrics.update(*executor.evaluate(batch["inputs"], batch["targets"],
+        metrics.update(*executor.evaluate(batch["inputs"].to(device, non_blocking=True),
+                                          batch["targets"].to(device, non_blocking=True),
                                           language_model_loss))
     return metrics.compute_and_reset()
