@@ -203,6 +203,10 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
             "stall_ms_total": metrics.get("stall_ms", 0.0),
             "overhead_pct": metrics.get("checkpoint_overhead_pct", 0.0),
             "snapshot_mb_per_iter": metrics.get("snapshot_bytes_per_iter", 0) / 2**20,
+            # Rank 0's snapshot copies: bandwidth achieved behind compute, next to the
+            # device-to-host bandwidth its profile measured (pinned buffers on CUDA).
+            "snapshot_copy_gbps": metrics.get("snapshot_copy_gbps"),
+            "copy_probe_gbps": _probe_gbps(metrics),
             "window": metrics.get("window"),
             # Rank 0's replica peers: those on its node map its shared memory.
             "replicas_copied": (len(metrics.get("replica_peers", []))
@@ -227,6 +231,12 @@ def _thread_cpu_ms(repeats: list[dict[str, dict[str, Any]]], policy: str,
     return float(np.median(measured)) if measured else None
 
 
+def _probe_gbps(metrics: dict[str, Any]) -> float | None:
+    """The copy bandwidth a run's profile measured, GB/s (None: the policy profiles none)."""
+    bandwidth = (metrics.get("profile") or {}).get("copy_bytes_per_s")
+    return None if bandwidth is None else float(bandwidth) / 1e9
+
+
 def _cpu_ms(metrics: dict[str, Any]) -> float | None:
     """A run's CPU milliseconds per iteration, summed over its ranks (None: not measured)."""
     total = metrics.get("cpu_ms_per_iteration", {}).get("total")
@@ -238,8 +248,8 @@ def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| policy | iteration ms (median) | vs none | vs none, per repeat "
              "| CPU ms/iter (all ranks) | CPU vs none | copy / replication CPU ms/iter (rank 0) "
              "| stall ms (total) | overhead % | snapshot MiB/iter | W | k | replicas "
-             "| host MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| host MiB | copy GB/s (snapshot / probe) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         runs = " ".join(f"{ratio:.3f}" for ratio in row["vs_none_runs"])
         cpu, cpu_ratio = row.get("cpu_ms_per_iteration"), row.get("cpu_vs_none")
@@ -250,15 +260,26 @@ def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
                      f"| {row['stall_ms_total']:.1f} | {row['overhead_pct']:.2f} "
                      f"| {row['snapshot_mb_per_iter']:.2f} | {row['window'] or '-'} "
                      f"| {row.get('interval') or '-'} | {_replicas(row)} "
-                     f"| {row['host_mb']:.1f} |")
+                     f"| {row['host_mb']:.1f} | {_copy_gbps(row)} |")
     return lines
+
+
+def _copy_gbps(row: dict[str, Any]) -> str:
+    """Snapshot copy bandwidth achieved and the profile's probe, as ``achieved / probe``."""
+    return _pair(row.get("snapshot_copy_gbps"), row.get("copy_probe_gbps"), digits=1)
 
 
 def _thread_cpu(row: dict[str, Any]) -> str:
     """Rank 0's copy and replication threads' CPU ms per iteration, as ``copy / replication``."""
-    values = (row.get("copy_thread_cpu_ms_per_iter"), row.get("replication_thread_cpu_ms_per_iter"))
-    return "-" if values == (None, None) else " / ".join(
-        "-" if v is None else f"{v:.2f}" for v in values)
+    return _pair(row.get("copy_thread_cpu_ms_per_iter"),
+                 row.get("replication_thread_cpu_ms_per_iter"), digits=2)
+
+
+def _pair(first: float | None, second: float | None, digits: int) -> str:
+    """Two optional figures as ``first / second`` (``-`` for a missing one, or for both)."""
+    if first is None and second is None:
+        return "-"
+    return " / ".join("-" if v is None else f"{v:.{digits}f}" for v in (first, second))
 
 
 def _replicas(row: dict[str, Any]) -> str:

@@ -172,6 +172,8 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
                                 for label, ms in (("none", none_ms), ("moevement", moevement_ms))}
         runs["moevement"]["checkpoint_thread_cpu_ms_per_iter"] = {
             "copy": moevement_ms / 100, "replication": moevement_ms / 50}
+        runs["moevement"].update(snapshot_copy_gbps=12.34,
+                                 profile={"copy_bytes_per_s": 25.0e9})
         return runs
 
     rows = bench.summarise([repeat(50.0, 51.0), repeat(60.0, 61.2), repeat(52.0, 57.2)])
@@ -188,3 +190,6 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
     assert none["copy_thread_cpu_ms_per_iter"] is None
     table = bench.overhead_markdown(rows)
     assert table[2].split("|")[7].strip() == "-" and table[3].split("|")[7].strip() == "0.57 / 1.14"
+    # Snapshot copy bandwidth achieved, beside the copy bandwidth the profile measured.
+    assert table[2].split("|")[15].strip() == "-"
+    assert table[3].split("|")[15].strip() == "12.3 / 25.0"

@@ -16,6 +16,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_moe_ckpt.checkpoint.checksum import (
+    bytes_checksum,
+    raw_bytes,
+    reseed_checksum,
+    tensor_checksum,
+)
 from lightning_moe_ckpt.checkpoint.codec import (
     CorruptCheckpointError,
     decode_snapshot,
@@ -28,10 +34,6 @@ from lightning_moe_ckpt.checkpoint.snapshot import (
     PieceLayout,
     Snapshot,
     SnapshotPiece,
-    bytes_checksum,
-    raw_bytes,
-    reseed_checksum,
-    tensor_checksum,
 )
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)

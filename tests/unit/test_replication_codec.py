@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
 from lightning_moe_ckpt.checkpoint.replication import (
     CorruptCheckpointError,
     decode_snapshot,
     encode_snapshot,
 )
-from lightning_moe_ckpt.checkpoint.snapshot import Snapshot, SnapshotPiece, tensor_checksum
+from lightning_moe_ckpt.checkpoint.snapshot import Snapshot, SnapshotPiece
 
 
 @dataclass(frozen=True)

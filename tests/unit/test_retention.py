@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
+from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
 from lightning_moe_ckpt.checkpoint.codec import decode_snapshot, encode_snapshot
 from lightning_moe_ckpt.checkpoint.planners import CapturePlan
 from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
@@ -15,7 +16,6 @@ from lightning_moe_ckpt.checkpoint.snapshot import (
     PieceLayout,
     Snapshot,
     SnapshotPiece,
-    tensor_checksum,
 )
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 from lightning_moe_ckpt.errors import ConfigError

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from lightning_moe_ckpt.checkpoint import codec
+from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
 from lightning_moe_ckpt.checkpoint.codec import decode_snapshot, encode_snapshot
 from lightning_moe_ckpt.checkpoint.replication import ReplicaStore
 from lightning_moe_ckpt.checkpoint.shared_slots import (
@@ -34,7 +35,6 @@ from lightning_moe_ckpt.checkpoint.snapshot import (
     PieceLayout,
     Snapshot,
     SnapshotPiece,
-    tensor_checksum,
 )
 
 BOUNDED_S = 60.0  # the source process starts (imports torch) and dies within this

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.checkpoint import slot_placement
+from lightning_moe_ckpt.checkpoint.checksum import bytes_checksum, raw_bytes
 from lightning_moe_ckpt.checkpoint.codec import (
     PIECE_ALIGNMENT,
     CorruptCheckpointError,
@@ -22,13 +23,7 @@ from lightning_moe_ckpt.checkpoint.codec import (
 from lightning_moe_ckpt.checkpoint.replication import ReplicaStore
 from lightning_moe_ckpt.checkpoint.shared_slots import SlotRing
 from lightning_moe_ckpt.checkpoint.slot_placement import SlotPlacement, encode_in_slot
-from lightning_moe_ckpt.checkpoint.snapshot import (
-    HostBufferPool,
-    Snapshot,
-    SnapshotEngine,
-    bytes_checksum,
-    raw_bytes,
-)
+from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, Snapshot, SnapshotEngine
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.settings import settings_from_config

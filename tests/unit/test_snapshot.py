@@ -7,7 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, SnapshotEngine, tensor_checksum
+from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
+from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, SnapshotEngine
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess

@@ -138,12 +138,22 @@ class _ProfilingHook(StepHooks):
         self.profiler.end()
         self.profiler.begin()
         if self.profiler.done:
-            bandwidth = measure_bandwidth(_BANDWIDTH_PROBE_BYTES, self.device)
+            copy = measure_bandwidth(_BANDWIDTH_PROBE_BYTES, self.device)
+            checksums = self.coordinator.snapshots.checksums
+            checksum = checksums.measure(max(_BANDWIDTH_PROBE_BYTES,
+                                             2 * checksums.threads * checksums.chunk_bytes))
+            # A snapshot is taken once copied and checksummed. On CUDA the copy engine and
+            # the checksum threads overlap, so the slower bounds the rate; on CPU the worker
+            # does one after the other. That rate times the iteration is Algorithm 1's budget.
+            bandwidth = (min(copy, checksum) if self.device.type == "cuda"
+                         else 1.0 / (1.0 / copy + 1.0 / checksum))
             iteration_s = self.profiler.iteration_time_s
             assert iteration_s is not None
             self.coordinator.planner.set_profile(iteration_s, bandwidth)
             self.coordinator.profile = {"iteration_time_s": iteration_s,
-                                        "bandwidth_bytes_per_s": bandwidth}
+                                        "bandwidth_bytes_per_s": bandwidth,
+                                        "copy_bytes_per_s": copy,
+                                        "checksum_bytes_per_s": checksum}
 
 
 class SparseCheckpointing(L.Callback, StepHooks):

@@ -40,13 +40,13 @@ from typing import Any
 
 import torch
 
-from lightning_moe_ckpt.checkpoint.snapshot import (
-    Snapshot,
+from lightning_moe_ckpt.checkpoint.checksum import (
     bytes_checksum,
     raw_bytes,
     reseed_checksum,
     tensor_checksum,
 )
+from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
 
 MAGIC = b"MOESNAP3"
 # The same framing with a ``torch.save`` header (a zip archive: 3x the time of a pickle for

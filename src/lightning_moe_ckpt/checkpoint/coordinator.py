@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
+from lightning_moe_ckpt.checkpoint.checksum import default_threads
 from lightning_moe_ckpt.checkpoint.persist import DiskPersister
 from lightning_moe_ckpt.checkpoint.replication import Replicator
 from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
@@ -64,7 +65,8 @@ class CheckpointCoordinator(StepHooks):
         self.world_size = world_size
         self.pool = HostBufferPool(pin_memory=device.type == "cuda")
         self.snapshots = SnapshotEngine(target.registry, target.state, rank, device,
-                                        self.pool, copy_delay_s)
+                                        self.pool, copy_delay_s,
+                                        checksum_threads=default_threads(ranks_per_node))
         effective = min(replicas, world_size - 1)
         self._acks: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         acknowledge = lambda start, step: self._acks.put((start, step))  # noqa: E731
@@ -356,8 +358,14 @@ class CheckpointCoordinator(StepHooks):
             # This rank's checkpoint threads, CPU ms per iteration: the work they take from
             # training where cores are shared, steadier than wall-time ratios.
             "checkpoint_thread_cpu_ms_per_iter": {
-                "copy": 1e3 * self.snapshots.worker_cpu_s / steps,
+                "copy": 1e3 * (self.snapshots.worker_cpu_s
+                               + self.snapshots.checksums.pool_cpu_s) / steps,
                 "replication": 1e3 * self.replication_cpu_s() / steps},
+            # The behind-compute copies: their time (CUDA: side-stream events) and the
+            # bandwidth they achieved, against the profile's measured copy bandwidth.
+            "snapshot_copy_ms_per_iter": 1e3 * self.snapshots.copy_s / steps,
+            "snapshot_copy_gbps": (self.snapshots.bytes_copied / self.snapshots.copy_s / 1e9
+                                   if self.snapshots.copy_s else None),
             "snapshots_taken": self.snapshots_taken,
             "snapshots_replicated": self.snapshots_confirmed,
             "pieces_issued": self.snapshots.pieces_issued,

@@ -27,7 +27,6 @@ critical path) and verified on restore.
 
 from __future__ import annotations
 
-import functools
 import queue
 import random
 import threading
@@ -38,10 +37,17 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
-import crc32c
 import numpy as np
 import torch
 
+from lightning_moe_ckpt.checkpoint.checksum import (
+    ChecksumThreads,
+    names_checksum,
+    raw_bytes,
+    tensor_checksum,
+    tensor_views,
+    views_checksum,
+)
 from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess, StateFingerprint
 
@@ -50,79 +56,6 @@ if TYPE_CHECKING:
     from lightning_moe_ckpt.checkpoint.slot_placement import SlotBacking, SlotPlacement
 
 PieceKind = Literal["master", "compute"]
-
-
-def bytes_checksum(data: bytes | memoryview, crc: int = 0) -> int:
-    """CRC32C of ``data`` continuing from ``crc``; reads in place and releases the GIL."""
-    value: int = crc32c.crc32c(data, crc)
-    return value
-
-
-_CASTAGNOLI = 0x82F63B78  # CRC32C's polynomial, bit-reflected
-
-
-def _multiply_mod_polynomial(a: int, b: int) -> int:
-    """``a * b`` modulo CRC32C's polynomial, both bit-reflected (zlib's ``multmodp``)."""
-    product, mask = 0, 1 << 31
-    while mask and a:
-        if a & mask:
-            product ^= b
-            a ^= mask
-        mask >>= 1
-        b = (b >> 1) ^ _CASTAGNOLI if b & 1 else b >> 1
-    return product
-
-
-# x^(2^k) modulo the polynomial for k = 0..63, bit-reflected (x^1 is bit 30).
-_POWERS_OF_TWO: list[int] = [1 << 30]
-for _ in range(63):
-    _POWERS_OF_TWO.append(_multiply_mod_polynomial(_POWERS_OF_TWO[-1], _POWERS_OF_TWO[-1]))
-
-
-@functools.lru_cache(maxsize=4096)
-def _shift_over(value: int, length: int) -> int:
-    """What CRC32C's register ``value`` becomes after ``length`` zero bytes (multiplied by
-    x^(8 * length)): O(log length) products, cached (a layout's values recur)."""
-    power, bits, k = 1 << 31, 8 * length, 0
-    while bits:
-        if bits & 1:
-            power = _multiply_mod_polynomial(_POWERS_OF_TWO[k], power)
-        bits >>= 1
-        k += 1
-    return _multiply_mod_polynomial(power, value)
-
-
-def reseed_checksum(crc: int, seed: int, new_seed: int, length: int) -> int:
-    """``bytes_checksum(data, new_seed)`` from ``crc == bytes_checksum(data, seed)`` and
-    ``length == len(data)``, without reading ``data``.
-
-    CRC32C is affine in its starting value: two runs over the same bytes from different
-    starting values differ by their starting values' difference carried through ``length``
-    zero bytes. So a piece's checksum (the tensor bytes after the names' checksum) gives
-    the checksum of the same bytes behind any other prefix (an encoded blob's layout)
-    without a second pass over them.
-    """
-    return crc ^ _shift_over(seed ^ new_seed, length)
-
-
-def names_checksum(names: Iterable[str]) -> int:
-    """CRC32C of tensor names in name order: the start of :func:`tensor_checksum`."""
-    return bytes_checksum(b"\0".join(name.encode() for name in sorted(names)))
-
-
-def tensor_checksum(tensors: Mapping[str, torch.Tensor]) -> int:
-    """CRC32C over the names of ``tensors`` (CPU), then their raw bytes, in name order.
-
-    CRC32C rather than zlib's CRC32: the same guarantee (every single-bit flip and every
-    burst of up to 32 bits changes the value, unlike a hash such as xxh3 that only makes a
-    miss unlikely) at about 3x the speed here, since it runs on the CPU's CRC instruction.
-    Names first and bytes back to back: a piece whose buffers are one contiguous block is
-    checksummed in one call (:class:`PieceBuffers`).
-    """
-    crc = names_checksum(tensors)
-    for name in sorted(tensors):
-        crc = bytes_checksum(raw_bytes(tensors[name].contiguous()), crc)
-    return crc
 
 
 @dataclass(frozen=True)
@@ -224,15 +157,7 @@ class PieceBuffers:
 
     def checksum(self) -> int:
         """:func:`tensor_checksum` of :attr:`tensors`, from the prepared views."""
-        crc = self.names_crc
-        for data in self.raw:
-            crc = bytes_checksum(data, crc)
-        return crc
-
-
-def raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, in place."""
-    return tensor.reshape(-1).view(torch.uint8).numpy().data
+        return views_checksum(self.raw, self.names_crc)
 
 
 @dataclass
@@ -267,7 +192,8 @@ class Snapshot:
     metadata: dict[str, Any]
     copied: threading.Event = field(default_factory=threading.Event)
     checksummed: threading.Event = field(default_factory=threading.Event)
-    cuda_done: Any = None  # torch.cuda.Event on the CUDA path
+    cuda_started: Any = None  # torch.cuda.Event pair timing the side-stream copies
+    cuda_done: Any = None
     backing: SlotBacking | None = None  # the shared slot its pieces lie in, when placed
     _nbytes: int | None = field(default=None, repr=False)
 
@@ -329,6 +255,11 @@ class CopyList:
     at_issue_sources: tuple[torch.Tensor, ...]  # module buffers, copied at issue
     fingerprint: StateFingerprint
 
+    @cached_property
+    def behind_bytes(self) -> int:
+        """Bytes of :attr:`sources`, the copies timed behind compute."""
+        return sum(source.nbytes for source in self.sources)
+
 
 def _sources(registry: OperatorRegistry, state: OptimizerStateAccess, operator: str,
              kind: PieceKind) -> dict[str, torch.Tensor]:
@@ -349,7 +280,7 @@ class SnapshotEngine:
 
     def __init__(self, registry: OperatorRegistry, state: OptimizerStateAccess, rank: int,
                  device: torch.device, pool: HostBufferPool | None = None,
-                 copy_delay_s: float = 0.0) -> None:
+                 copy_delay_s: float = 0.0, checksum_threads: int = 1) -> None:
         self.registry = registry
         self.state = state
         self.rank = rank
@@ -364,10 +295,16 @@ class SnapshotEngine:
         self.pieces_issued = 0
         self.pieces_checksummed = 0  # written by the worker only
         self.worker_cpu_s = 0.0  # the worker's CPU time copying and checksumming (its writes)
+        # Time the bulk copies took (CUDA: between events on the side stream), so the
+        # snapshot bandwidth achieved can be set against the measured pinned bandwidth.
+        self.copy_s = 0.0  # written by the worker only
+        self.bytes_copied = 0  # behind-compute bytes of the timed copies
+        # Large pieces are checksummed on several threads, to keep up with a GPU's copies.
+        self.checksums = ChecksumThreads(checksum_threads)
         self.copy_lists: dict[tuple[tuple[str, ...], tuple[str, ...]], CopyList] = {}
         self.copy_list_builds = 0
-        self._work: queue.Queue[tuple[Snapshot, list[torch.Tensor],
-                                      list[torch.Tensor]] | None] = queue.Queue()
+        self._work: queue.Queue[tuple[Snapshot, list[torch.Tensor], list[torch.Tensor],
+                                      int] | None] = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="snapshot-copy", daemon=True)
         self._worker.start()
 
@@ -430,13 +367,16 @@ class SnapshotEngine:
             ready.record()
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
-                for source, target in zip(sources, targets, strict=True):
-                    target.copy_(source, non_blocking=True)
+                snapshot.cuda_started = torch.cuda.Event(enable_timing=True)
+                snapshot.cuda_started.record(self.stream)
+                if sources:  # one call: the launches are made in C++, not per tensor here
+                    torch._foreach_copy_(targets, sources, non_blocking=True)
                 _metadata_to_host(metadata, self.stream)
-                snapshot.cuda_done = torch.cuda.Event()
+                # Blocking: the worker sleeps in synchronize() instead of spinning a core.
+                snapshot.cuda_done = torch.cuda.Event(enable_timing=True, blocking=True)
                 snapshot.cuda_done.record(self.stream)
         self.pending.append(snapshot)
-        self._work.put((snapshot, sources, targets))
+        self._work.put((snapshot, sources, targets, copies.behind_bytes))
         return snapshot
 
     def interrupt_copy(self, step: int) -> None:
@@ -463,24 +403,32 @@ class SnapshotEngine:
         self.wait_copies()
         self._work.put(None)
         self._worker.join()
+        self.checksums.close()
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
             started = time.thread_time()
-            snapshot, sources, targets = item
+            snapshot, sources, targets, nbytes = item
             if snapshot.cuda_done is not None:
                 snapshot.cuda_done.synchronize()
+                self.copy_s += snapshot.cuda_started.elapsed_time(snapshot.cuda_done) / 1e3
             else:
                 if self.copy_delay_s:
                     time.sleep(self.copy_delay_s)
+                copy_started = time.perf_counter()
                 if sources:  # one call: a per-tensor loop would contend for the GIL
                     torch._foreach_copy_(targets, sources)
+                self.copy_s += time.perf_counter() - copy_started
+            self.bytes_copied += nbytes
             snapshot.copied.set()
             if snapshot.step not in self.interrupted_steps:
-                for piece in snapshot.pieces.values():
-                    piece.checksum = (tensor_checksum(piece.tensors) if piece.buffers is None
-                                      else piece.buffers.checksum())
-                self.pieces_checksummed += len(snapshot.pieces)
+                pieces = list(snapshot.pieces.values())
+                jobs = [tensor_views(piece.tensors) if piece.buffers is None
+                        else (piece.buffers.raw, piece.buffers.names_crc) for piece in pieces]
+                for piece, checksum in zip(pieces, self.checksums.checksum_many(jobs),
+                                           strict=True):
+                    piece.checksum = checksum
+                self.pieces_checksummed += len(pieces)
             self.worker_cpu_s += time.thread_time() - started
             snapshot.checksummed.set()
 
