@@ -21,8 +21,9 @@ costs the training thread next to nothing.
 Host buffers come from a pool keyed by (tensor name, shape, dtype): buffers of a freed
 snapshot are reused by the next one with the same layout, so steady-state training
 allocates nothing. Every piece gets a CRC32C checksum (the SSE4.2/ARMv8 instruction through
-the ``crc32c`` package), computed on the worker thread after its copy completed (off the
-critical path) and verified on restore.
+the ``crc32c`` package), computed after its copy completed (off the critical path: by the
+worker thread, large pieces in chunks on several threads, :class:`ChecksumThreads`) and
+verified on restore.
 """
 
 from __future__ import annotations
