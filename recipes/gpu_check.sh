@@ -2,16 +2,16 @@
 # GPU checks on one CUDA machine: `bash recipes/gpu_check.sh [OUT_DIR [CHECK...]]`, the
 # checks by name (default: all, in this order):
 #
-#   tests        the CUDA tests (tests/gpu and the CUDA cases of tests/unit);
+#   tests        the CUDA tests: tests/gpu (pinned side-stream snapshots, and the training
+#                recipe through an injected failure, bit for bit against the fault-free
+#                run, with both APIs) and the CUDA cases of tests/unit;
 #   bandwidth    pinned and pageable device-to-host copy bandwidth of a 1 GiB buffer;
 #   bench_tiny   `recipes/bench.py hardware=h100` on this one GPU with the tiny model: the
 #                path runs end to end;
 #   bench_sized  the same on a model sized to the GPU (the paper's GPT-MoE widths, 2 layers
 #                of 16 experts, 0.8B parameters, sequences of 1024): iteration time against
 #                checkpoint=none, stall, snapshot bytes, and the snapshot copies' achieved
-#                GB/s next to the pinned bandwidth the run's profile measured;
-#   replay       a tiny-model run through an injected failure against the fault-free run:
-#                whether replay on this GPU reproduces the fault-free state bit for bit.
+#                GB/s next to the pinned bandwidth the run's profile measured.
 #
 # Uses the python3 on PATH with the package from src/ (no install). Every check has its own
 # time limit and writes its log to OUT_DIR; a failing check does not stop the next one.
@@ -19,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-outputs/gpu_check}
 shift $(($# > 0 ? 1 : 0))
-checks=" ${*:-tests bandwidth bench_tiny bench_sized replay} "
+checks=" ${*:-tests bandwidth bench_tiny bench_sized} "
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
@@ -43,7 +43,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to OUT_DIR/NAME.
     >"$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
-wanted tests && step cuda_tests 180 python3 -m pytest -q -p no:cacheprovider -m gpu \
+wanted tests && step cuda_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
     -o addopts="" -ra tests/gpu tests/unit/test_planners.py tests/unit/test_upstream_log.py
 
 wanted bandwidth && step copy_bandwidth 60 python3 - <<'EOF'
@@ -73,31 +73,4 @@ wanted bench_sized && step bench_sized 330 "${bench[@]}" --steps 30 --out "$out/
     hardware=h100 model=gpt_moe model.n_layers=2 model.n_experts=16 model.max_seq_len=1024 \
     data.seq_len=1024
 
-if wanted replay; then
-    replay=(python3 recipes/train.py hardware=h100 api=fabric checkpoint=moevement
-            trainer.max_steps=12 trainer.val_every=12 trainer.progress_bar=false
-            checkpoint.window=3)
-    step replay_golden 90 "${replay[@]}" out_dir="$out/replay_golden"
-    step replay_failed 90 "${replay[@]}" out_dir="$out/replay_failed" faults=at \
-        'faults.events=[{step: 8, rank: 0}]'
-    step replay_compare 60 python3 - "$out/replay_golden" "$out/replay_failed" <<'EOF'
-import json
-import sys
-from pathlib import Path
-
-import torch
-
-golden, failed = (Path(p) for p in sys.argv[1:3])
-metrics = [json.loads((run / "metrics.json").read_text()) for run in (golden, failed)]
-print("losses equal:", metrics[0]["loss"] == metrics[1]["loss"])
-print("recoveries:", metrics[1].get("recoveries"))
-a, b = (torch.load(run / "final_state.pt", map_location="cpu") for run in (golden, failed))
-differ = [name for section in ("model", "compute") for name, t in a[section].items()
-          if not torch.equal(t, b[section][name])]
-differ += [f"{n}/{k}" for n, e in a["optimizer"].items() for k, t in e.items()
-           if not torch.equal(t, b["optimizer"][n][k])]
-print(f"final state bitwise equal: {not differ} ({len(differ)} differ: {differ[:5]})")
-sys.exit(1 if differ else 0)
-EOF
-fi
 exit $status

@@ -109,6 +109,7 @@ def write_metrics(path: Path, settings: RunSettings, history: TrainingHistory,
     loop_s = sum(history.iteration_seconds)
     metrics: dict[str, Any] = {
         "api": settings.api,
+        "accelerator": settings.hardware.accelerator,
         "model": settings.model.name,
         "precision": settings.precision,
         "layout": {"pp": settings.layout.pp, "dp": settings.layout.dp,
