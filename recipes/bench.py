@@ -206,7 +206,9 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
             # Rank 0's snapshot copies: bandwidth achieved behind compute, next to the
             # device-to-host bandwidth its profile measured (pinned buffers on CUDA).
             "snapshot_copy_gbps": metrics.get("snapshot_copy_gbps"),
-            "copy_probe_gbps": _probe_gbps(metrics),
+            "copy_probe_gbps": _probe_gbps(metrics, "copy"),
+            # ... and the rate its checksum threads reached: the slower one sets the budget.
+            "checksum_probe_gbps": _probe_gbps(metrics, "checksum"),
             "window": metrics.get("window"),
             # Rank 0's replica peers: those on its node map its shared memory.
             "replicas_copied": (len(metrics.get("replica_peers", []))
@@ -231,10 +233,11 @@ def _thread_cpu_ms(repeats: list[dict[str, dict[str, Any]]], policy: str,
     return float(np.median(measured)) if measured else None
 
 
-def _probe_gbps(metrics: dict[str, Any]) -> float | None:
-    """The copy bandwidth a run's profile measured, GB/s (None: the policy profiles none)."""
-    bandwidth = (metrics.get("profile") or {}).get("copy_bytes_per_s")
-    return None if bandwidth is None else float(bandwidth) / 1e9
+def _probe_gbps(metrics: dict[str, Any], kind: str) -> float | None:
+    """The ``copy`` or ``checksum`` rate a run's profile measured, GB/s (None: the policy
+    profiles none)."""
+    rate = (metrics.get("profile") or {}).get(f"{kind}_bytes_per_s")
+    return None if rate is None else float(rate) / 1e9
 
 
 def _cpu_ms(metrics: dict[str, Any]) -> float | None:
@@ -248,8 +251,8 @@ def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| policy | iteration ms (median) | vs none | vs none, per repeat "
              "| CPU ms/iter (all ranks) | CPU vs none | copy / replication CPU ms/iter (rank 0) "
              "| stall ms (total) | overhead % | snapshot MiB/iter | W | k | replicas "
-             "| host MiB | copy GB/s (snapshot / probe) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| host MiB | copy GB/s (snapshot / probe) | checksum GB/s (probe) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         runs = " ".join(f"{ratio:.3f}" for ratio in row["vs_none_runs"])
         cpu, cpu_ratio = row.get("cpu_ms_per_iteration"), row.get("cpu_vs_none")
@@ -260,7 +263,8 @@ def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
                      f"| {row['stall_ms_total']:.1f} | {row['overhead_pct']:.2f} "
                      f"| {row['snapshot_mb_per_iter']:.2f} | {row['window'] or '-'} "
                      f"| {row.get('interval') or '-'} | {_replicas(row)} "
-                     f"| {row['host_mb']:.1f} | {_copy_gbps(row)} |")
+                     f"| {row['host_mb']:.1f} | {_copy_gbps(row)} "
+                     f"| {_figure(row.get('checksum_probe_gbps'), digits=1)} |")
     return lines
 
 
@@ -279,7 +283,12 @@ def _pair(first: float | None, second: float | None, digits: int) -> str:
     """Two optional figures as ``first / second`` (``-`` for a missing one, or for both)."""
     if first is None and second is None:
         return "-"
-    return " / ".join("-" if v is None else f"{v:.{digits}f}" for v in (first, second))
+    return " / ".join(_figure(v, digits) for v in (first, second))
+
+
+def _figure(value: float | None, digits: int) -> str:
+    """An optional figure (``-`` when missing)."""
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _replicas(row: dict[str, Any]) -> str:

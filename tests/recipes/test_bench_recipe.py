@@ -173,7 +173,8 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
         runs["moevement"]["checkpoint_thread_cpu_ms_per_iter"] = {
             "copy": moevement_ms / 100, "replication": moevement_ms / 50}
         runs["moevement"].update(snapshot_copy_gbps=12.34,
-                                 profile={"copy_bytes_per_s": 25.0e9})
+                                 profile={"copy_bytes_per_s": 25.0e9,
+                                          "checksum_bytes_per_s": 40.0e9})
         return runs
 
     rows = bench.summarise([repeat(50.0, 51.0), repeat(60.0, 61.2), repeat(52.0, 57.2)])
@@ -193,3 +194,4 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
     # Snapshot copy bandwidth achieved, beside the copy bandwidth the profile measured.
     assert table[2].split("|")[15].strip() == "-"
     assert table[3].split("|")[15].strip() == "12.3 / 25.0"
+    assert table[2].split("|")[16].strip() == "-" and table[3].split("|")[16].strip() == "40.0"
