@@ -6,7 +6,8 @@ every single-bit flip and every burst of up to 32 bits changes it. One core chec
 snapshot would be checksummed more slowly than it is copied. :class:`ChecksumThreads` splits
 large buffers into chunks checksummed on several threads at once (``crc32c`` releases the
 GIL) and folds the chunks' values in order with :func:`reseed_checksum` (CRC32C is affine
-in its starting value): the same value as one pass, at several times the rate.
+in its starting value): the same value as one pass, faster as far as the threads' cores
+and memory bandwidth allow (2 threads: 1.6x on this project's 2-core CPU machine).
 """
 
 from __future__ import annotations
