@@ -117,6 +117,7 @@ def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
                                checkpoint.durable_dir, checkpoint.durable_keep,
                                checkpoint.upstream_logging,
                                same_node_replicas=checkpoint.same_node_replicas,
+                               checksum_threads=checkpoint.checksum_threads,
                                **checkpoint.options)
 
 

@@ -87,6 +87,12 @@ def test_unknown_preset_names_group_and_value() -> None:
      r"checkpoint\.same_node_replicas='mapped' must be one of shared, copied"),
     (["checkpoint=none", "+checkpoint.same_node_replicas=copied"],
      r"checkpoint\.same_node_replicas='copied' has no effect with checkpoint=none"),
+    (["checkpoint.checksum_threads=0"],
+     r"checkpoint\.checksum_threads=0 must be an integer >= 1 \(or null"),
+    (["checkpoint=gemini", "checkpoint.checksum_threads=two"],
+     r"checkpoint\.checksum_threads='two' must be an integer >= 1"),
+    (["checkpoint=none", "+checkpoint.checksum_threads=2"],
+     r"checkpoint\.checksum_threads=2 has no effect with checkpoint=none"),
     (["+data.path=/tmp/corpus.txt"], r"data\.path='/tmp/corpus\.txt' is a setting of "
                                      r"data=textfile; data=stdlib does not use it"),
     (["data=textfile", "+data.val_percent=3"], r"data\.val_percent=3 is a setting of"),

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightning_moe_ckpt.checkpoint.checksum import require_checksum_threads
 from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
 from lightning_moe_ckpt.checkpoint.planners import (
     CapturePlan,
@@ -178,7 +179,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
                  upstream_logging: bool = True, operators: OperatorOverride | None = None,
                  top_k: int | None = None,
                  router_parser: RouterParser | None = None,
-                 same_node_replicas: str = "shared", **options: Any) -> None:
+                 same_node_replicas: str = "shared", checksum_threads: int | None = None,
+                 **options: Any) -> None:
         known = setting_options(policy)  # raises for an unknown policy
         unknown = sorted(set(options) - known)
         require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)}"
@@ -190,6 +192,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
                     f"{fmt(f'checkpoint.{key}', value)} must be an integer >= {least}")
         require(isinstance(upstream_logging, bool),
                 f"{fmt('checkpoint.upstream_logging', upstream_logging)} must be True or False")
+        require_checksum_threads(checksum_threads)
         require(same_node_replicas in SAME_NODE_REPLICAS,
                 f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
                 f"{', '.join(map(repr, SAME_NODE_REPLICAS))}")
@@ -213,6 +216,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self.replicas = replicas
         self.same_node_replicas = same_node_replicas
         self.warmup_iterations = warmup_iterations
+        self.checksum_threads = checksum_threads  # None: the rank's share of the cores
         self.options = options
         self.coordinator: CheckpointCoordinator | None = None
         self.target: TrainingTarget | None = None
@@ -285,7 +289,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self.coordinator = CheckpointCoordinator(
             target, planner, rank, world_size, self.replicas, ranks_per_node, device,
             copy_delay_s, initial_plan=initial if take_initial else None,
-            persist_dir=persist_dir, share_same_node=self.same_node_replicas == "shared")
+            persist_dir=persist_dir, share_same_node=self.same_node_replicas == "shared",
+            checksum_threads=self.checksum_threads)
         if target.batch_log is not None:
             self.coordinator.store.release_listeners.append(target.batch_log.release_before)
         if self.upstream_log is not None and target.layout.pp > 1:

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import crc32c
 import torch
 
+from lightning_moe_ckpt.errors import fmt, require
+
 
 def bytes_checksum(data: bytes | memoryview, crc: int = 0) -> int:
     """CRC32C of ``data`` continuing from ``crc``; reads in place and releases the GIL."""
@@ -121,6 +123,15 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 CHUNK_BYTES = 8 * 2**20  # a chunk takes ~0.5 ms to checksum: far above its thread hand-off
 MAX_THREADS = 8  # enough to outrun a PCIe Gen5 copy; more would take cores from training
+
+
+def require_checksum_threads(threads: object) -> None:
+    """Refuse a ``checkpoint.checksum_threads`` that is neither None (automatic) nor an
+    integer >= 1."""
+    require(threads is None or (isinstance(threads, int) and not isinstance(threads, bool)
+                                and threads >= 1),
+            f"{fmt('checkpoint.checksum_threads', threads)} must be an integer >= 1 "
+            "(or null: the rank's share of the cores, at most 8)")
 
 
 def default_threads(ranks_per_node: int) -> int:

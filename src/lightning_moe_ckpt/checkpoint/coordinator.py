@@ -58,7 +58,8 @@ class CheckpointCoordinator(StepHooks):
     def __init__(self, target: TrainingTarget, planner: Planner, rank: int, world_size: int,
                  replicas: int, ranks_per_node: int, device: torch.device,
                  copy_delay_s: float = 0.0, initial_plan: CapturePlan | None = None,
-                 persist_dir: str | None = None, share_same_node: bool = True) -> None:
+                 persist_dir: str | None = None, share_same_node: bool = True,
+                 checksum_threads: int | None = None) -> None:
         self.target = target
         self.planner = planner
         self.rank = rank
@@ -66,7 +67,8 @@ class CheckpointCoordinator(StepHooks):
         self.pool = HostBufferPool(pin_memory=device.type == "cuda")
         self.snapshots = SnapshotEngine(target.registry, target.state, rank, device,
                                         self.pool, copy_delay_s,
-                                        checksum_threads=default_threads(ranks_per_node))
+                                        checksum_threads=(checksum_threads
+                                                          or default_threads(ranks_per_node)))
         effective = min(replicas, world_size - 1)
         self._acks: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         acknowledge = lambda start, step: self._acks.put((start, step))  # noqa: E731
@@ -366,6 +368,7 @@ class CheckpointCoordinator(StepHooks):
             "snapshot_copy_ms_per_iter": 1e3 * self.snapshots.copy_s / steps,
             "snapshot_copy_gbps": (self.snapshots.bytes_copied / self.snapshots.copy_s / 1e9
                                    if self.snapshots.copy_s else None),
+            "checksum_threads": self.snapshots.checksums.threads,
             "snapshots_taken": self.snapshots_taken,
             "snapshots_replicated": self.snapshots_confirmed,
             "pieces_issued": self.snapshots.pieces_issued,

@@ -13,6 +13,7 @@ from typing import Any, Literal, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_moe_ckpt.checkpoint.checksum import require_checksum_threads
 from lightning_moe_ckpt.checkpoint.shared_slots import SAME_NODE_REPLICAS
 from lightning_moe_ckpt.data.corpus import BYTE_VOCAB_SIZE
 from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
@@ -22,8 +23,9 @@ from lightning_moe_ckpt.precision import Precision, parse_precision
 
 Api = Literal["trainer", "fabric"]
 DATA_SOURCES = ("stdlib", "textfile")
-COMMON_CHECKPOINT_KEYS = ("durable_dir", "durable_every", "durable_keep", "replicas",
-                          "same_node_replicas", "upstream_logging", "warmup_iterations")
+COMMON_CHECKPOINT_KEYS = ("checksum_threads", "durable_dir", "durable_every", "durable_keep",
+                          "replicas", "same_node_replicas", "upstream_logging",
+                          "warmup_iterations")
 PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "schedule", "spares")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
                 "seed", "val_batches", "val_every")
@@ -84,6 +86,7 @@ class CheckpointSettings:
     upstream_logging: bool = True
     durable_keep: int = 2
     same_node_replicas: str = "shared"  # a peer on the same node maps the snapshot, or copies it
+    checksum_threads: int | None = None  # None: the rank's share of the cores, at most 8
 
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
@@ -102,6 +105,8 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     durable_keep = values.pop("durable_keep", 2)
     upstream_logging = values.pop("upstream_logging", True)
     same_node_replicas = values.pop("same_node_replicas", "shared")
+    checksum_threads = values.pop("checksum_threads", None)
+    require_checksum_threads(checksum_threads)
     require(same_node_replicas in SAME_NODE_REPLICAS,
             f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
             f"{', '.join(SAME_NODE_REPLICAS)}")
@@ -126,8 +131,12 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
                 f"{fmt('checkpoint.durable_every', durable_every)} has no effect with "
                 f"checkpoint={policy}; durable checkpoints come with the sparse and dense "
                 "in-memory policies")
+        require(checksum_threads is None,
+                f"{fmt('checkpoint.checksum_threads', checksum_threads)} has no effect with "
+                f"checkpoint={policy}, which takes no snapshots to checksum; leave it null")
     return CheckpointSettings(policy, replicas, warmup, values, durable_every, durable_dir,
-                              upstream_logging, durable_keep, same_node_replicas)
+                              upstream_logging, durable_keep, same_node_replicas,
+                              checksum_threads)
 
 
 @dataclass(frozen=True)
