@@ -114,8 +114,6 @@ def views_checksum(views: Iterable[memoryview], crc: int = 0) -> int:
     return crc
 
 
-
-
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, in place."""
     return tensor.reshape(-1).view(torch.uint8).numpy().data

@@ -156,9 +156,15 @@ class PieceBuffers:
                    tuple(tensors[n] for n in layout.names if n not in layout.at_issue),
                    tuple(tensors[n] for n in layout.names if n in layout.at_issue), block)
 
+    @property
+    def checksum_views(self) -> tuple[tuple[memoryview, ...], int]:
+        """What :func:`tensor_checksum` of :attr:`tensors` reads: the prepared views, and
+        the names' checksum they continue from (the shape of :func:`tensor_views`)."""
+        return self.raw, self.names_crc
+
     def checksum(self) -> int:
         """:func:`tensor_checksum` of :attr:`tensors`, from the prepared views."""
-        return views_checksum(self.raw, self.names_crc)
+        return views_checksum(*self.checksum_views)
 
 
 @dataclass
@@ -425,7 +431,7 @@ class SnapshotEngine:
             if snapshot.step not in self.interrupted_steps:
                 pieces = list(snapshot.pieces.values())
                 jobs = [tensor_views(piece.tensors) if piece.buffers is None
-                        else (piece.buffers.raw, piece.buffers.names_crc) for piece in pieces]
+                        else piece.buffers.checksum_views for piece in pieces]
                 for piece, checksum in zip(pieces, self.checksums.checksum_many(jobs),
                                            strict=True):
                     piece.checksum = checksum
