@@ -107,6 +107,19 @@ def test_initialisation_is_per_parameter_and_layout_independent(tiny_cfg: MoEMod
     assert not torch.equal(other_seed.layers["1"].attn.wq.weight, full.layers["1"].attn.wq.weight)
 
 
+def test_initialisation_ignores_the_default_device(tiny_cfg: MoEModelConfig) -> None:
+    """The Trainer builds the model under ``init_module()``, whose default device is the
+    GPU: the draws still come from the CPU generator (on a CPU-only build a GPU draw
+    fails too), so the weights equal a model built without that context."""
+    expected = MoETransformer(tiny_cfg, seed=5)
+    model = MoETransformer(tiny_cfg, seed=0)
+    with torch.device("cuda"):
+        model.init_weights(5)
+    for (name, param), reference in zip(model.named_parameters(), expected.parameters(),
+                                        strict=True):
+        assert torch.equal(param, reference), name
+
+
 PAPER_TOTALS = {"gpt_moe": 7.3e9, "qwen_moe": 14.3e9, "deepseek_moe": 16.4e9, "moe_llava": 2.9e9}
 
 

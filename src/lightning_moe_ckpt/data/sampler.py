@@ -80,7 +80,8 @@ class SeekableSampler:
         """Start offsets of all ``global_batch`` samples of ``iteration``."""
         generator = torch.Generator().manual_seed(mix_seed(self.seed, iteration))
         high = self.tokens.numel() - self.seq_len - 1
-        return torch.randint(0, high + 1, (self.layout.global_batch,), generator=generator)
+        return torch.randint(0, high + 1, (self.layout.global_batch,), generator=generator,
+                             device="cpu")
 
     def microbatch(self, iteration: int, shard: int,
                    index: int) -> tuple[torch.Tensor, torch.Tensor]:

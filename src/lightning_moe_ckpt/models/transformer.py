@@ -125,7 +125,10 @@ class MoETransformer(nn.Module):
             if name.endswith(("wo.weight", "w2.weight")):
                 # GPT-2 style scaling of residual-branch outputs by depth.
                 std = std / (2 * self.cfg.n_layers) ** 0.5
-            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
+            # Drawn on the CPU (the generator's device) whatever the default device: a
+            # model built under Lightning's init_module() on a GPU gets the same weights.
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32,
+                                 device="cpu") * std
             param.copy_(values)
 
     def moe_layers(self) -> dict[int, MoELayer]:

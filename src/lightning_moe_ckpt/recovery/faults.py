@@ -363,7 +363,7 @@ def destroy_rank_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
         if garbage == "nan" and tensor.is_floating_point():
             tensor.fill_(math.nan)
         else:  # large random values: finite, but nothing like a trained weight
-            noise = torch.randn(tensor.shape, generator=generator) * 1e3
+            noise = torch.randn(tensor.shape, generator=generator, device="cpu") * 1e3
             tensor.copy_(noise.to(dtype=tensor.dtype, device=tensor.device))
 
     params = list(model.parameters())

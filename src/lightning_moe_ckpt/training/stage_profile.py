@@ -119,7 +119,8 @@ def measure_compute(settings: RunSettings, warmup: int = 2, repeats: int = 5,
         model = build_model(settings.model, settings.precision, settings.seed).to(device)
         generator = torch.Generator().manual_seed(settings.seed)
         tokens = torch.randint(0, settings.model.vocab_size,
-                               (sequences, settings.data.seq_len + 1), generator=generator)
+                               (sequences, settings.data.seq_len + 1), generator=generator,
+                               device="cpu")
         inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
         per_stage = _time_stages(model, settings, inputs, targets, device, warmup, repeats)
         ranks = [[StageModule(model, plan.stage_layers(stage), stage == 0,
