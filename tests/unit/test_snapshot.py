@@ -92,6 +92,31 @@ def test_checksum_detects_a_flipped_bit() -> None:
     assert tensor_checksum(tensors) != before
 
 
+@pytest.mark.timeout(60)  # broken, the wait would never return
+def test_a_failed_copy_is_raised_in_the_training_threads_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy thread that fails does not leave training waiting forever: the next wait
+    raises, naming the rank, and the snapshot stays unchecksummed (unusable)."""
+    engine = _engine("32")
+    engine.train_iteration(*_batch(0))
+    snapshots = SnapshotEngine(engine.registry, engine.state, rank=3,
+                               device=torch.device("cpu"))
+
+    def fail(job: object) -> None:
+        raise OSError("copy broke")
+
+    monkeypatch.setattr(snapshots, "_copy", fail)
+    plan = round_robin(tuple(engine.registry.names), 0, 2)
+    snapshot = snapshots.issue(plan, {})  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="rank 3: taking snapshots failed") as raised:
+        snapshots.wait_copies()
+    assert isinstance(raised.value.__cause__, OSError)
+    assert snapshot.checksummed.wait(timeout=30)
+    assert snapshot.pieces and all(piece.checksum is None for piece in snapshot.pieces.values())
+    assert snapshots.pieces_checksummed == 0
+    snapshots.close()
+
+
 def test_buffers_are_reused_and_store_keeps_two_windows() -> None:
     engine = _engine("32")
     registry = engine.registry

@@ -144,8 +144,9 @@ class _ProfilingHook(StepHooks):
             checksum = checksums.measure(max(_BANDWIDTH_PROBE_BYTES,
                                              2 * checksums.threads * checksums.chunk_bytes))
             # A snapshot is taken once copied and checksummed. On CUDA the copy engine and
-            # the checksum threads overlap, so the slower bounds the rate; on CPU the worker
-            # does one after the other. That rate times the iteration is Algorithm 1's budget.
+            # the checksum threads overlap, so the slower bounds the rate; on CPU both are
+            # work for the cores training shares, so their times add. That rate times the
+            # iteration is Algorithm 1's budget.
             bandwidth = (min(copy, checksum) if self.device.type == "cuda"
                          else 1.0 / (1.0 / copy + 1.0 / checksum))
             iteration_s = self.profiler.iteration_time_s
