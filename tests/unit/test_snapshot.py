@@ -3,12 +3,14 @@ checksums, buffer reuse, and the store's two-window bound."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
-from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, SnapshotEngine
+from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, Snapshot, SnapshotEngine
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
@@ -114,6 +116,37 @@ def test_a_failed_copy_is_raised_in_the_training_threads_wait(
     assert snapshot.checksummed.wait(timeout=30)
     assert snapshot.pieces and all(piece.checksum is None for piece in snapshot.pieces.values())
     assert snapshots.pieces_checksummed == 0
+    snapshots.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_copy_stays_unchecksummed_once_the_failure_is_handled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a copy was cut short is decided when it completes: the failure injector
+    clears the interrupted steps as soon as the training thread's wait returns, which may
+    be before the checksum thread reaches that snapshot."""
+    engine = _engine("32")
+    engine.train_iteration(*_batch(0))
+    snapshots = SnapshotEngine(engine.registry, engine.state, rank=0,
+                               device=torch.device("cpu"))
+    names = tuple(engine.registry.names)
+    release = threading.Event()
+    checksum = snapshots._checksum
+
+    def held_checksum(snapshot: Snapshot) -> None:
+        release.wait()
+        checksum(snapshot)
+
+    monkeypatch.setattr(snapshots, "_checksum", held_checksum)
+    first = snapshots.issue(round_robin(names, 0, 2), {})  # type: ignore[arg-type]
+    snapshots.interrupt_copy(1)
+    cut = snapshots.issue(round_robin(names, 1, 2), {})  # type: ignore[arg-type]
+    snapshots.wait_copies()
+    snapshots.interrupted_steps.clear()  # what the failure injector does next
+    release.set()
+    assert cut.checksummed.wait(timeout=30)
+    assert all(piece.checksum is None for piece in cut.pieces.values())
+    assert first.pieces and all(piece.verify() for piece in first.pieces.values())
     snapshots.close()
 
 

@@ -122,7 +122,7 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
 # Every chunk's hand-off takes the GIL, which the training thread then waits for: on an
 # H200 (a 4 GB snapshot per iteration, 8 threads) 8 MiB chunks cost the training thread
 # 583 voluntary context switches per iteration, 32 MiB chunks 81. A chunk of 32 MiB
-# takes 3-4 ms on one thread, so pieces of 64 MiB and more are still split.
+# takes a few ms on one thread, so pieces of 64 MiB and more are still split.
 CHUNK_BYTES = 32 * 2**20
 MAX_THREADS = 8  # enough to outrun a PCIe Gen5 copy; more would take cores from training
 

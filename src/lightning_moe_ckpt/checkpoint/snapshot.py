@@ -331,7 +331,8 @@ class SnapshotEngine:
         # wait instead of waiting forever for a snapshot that will never be copied.
         self.failure: BaseException | None = None
         self._copies: queue.Queue[_CopyJob | None] = queue.Queue()
-        self._to_checksum: queue.Queue[Snapshot | None] = queue.Queue()
+        # A copied snapshot, and whether to checksum it (its copy completed, uncut).
+        self._to_checksum: queue.Queue[tuple[Snapshot, bool] | None] = queue.Queue()
         self._threads = (
             threading.Thread(target=self._copy_loop, name="snapshot-copy", daemon=True),
             threading.Thread(target=self._checksum_loop, name="snapshot-checksum", daemon=True))
@@ -441,14 +442,18 @@ class SnapshotEngine:
         """The copy thread: each snapshot's copies, then its hand-off to the checksum."""
         while (job := self._copies.get()) is not None:
             started = time.thread_time()
+            usable = True
             try:
                 self._copy(job)
             except Exception as error:  # the snapshot stays unchecksummed, so unusable
                 self.failure = self.failure or error
-                self.interrupted_steps.add(job.snapshot.step)
+                usable = False
+            # Decided before the copy counts as done: once the training thread's wait
+            # returns, a failure injector clears the interrupted steps.
+            usable = usable and job.snapshot.step not in self.interrupted_steps
             job.snapshot.copied.set()
             self.copy_cpu_s += time.thread_time() - started
-            self._to_checksum.put(job.snapshot)
+            self._to_checksum.put((job.snapshot, usable))
         self._to_checksum.put(None)
 
     def _copy(self, job: _CopyJob) -> None:
@@ -483,9 +488,10 @@ class SnapshotEngine:
     def _checksum_loop(self) -> None:
         """The checksum thread: every piece of each copied snapshot (except one whose copy a
         simulated failure cut short), large ones split over :attr:`checksums`."""
-        while (snapshot := self._to_checksum.get()) is not None:
+        while (item := self._to_checksum.get()) is not None:
             started = time.thread_time()
-            if snapshot.step not in self.interrupted_steps:
+            snapshot, usable = item
+            if usable:
                 try:
                     self._checksum(snapshot)
                 except Exception as error:  # pieces left without checksums are refused
