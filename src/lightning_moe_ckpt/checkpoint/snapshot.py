@@ -327,8 +327,8 @@ class SnapshotEngine:
         self.checksums = ChecksumThreads(checksum_threads)
         self.copy_lists: dict[tuple[tuple[str, ...], tuple[str, ...]], CopyList] = {}
         self.copy_list_builds = 0
-        # What stopped the copy or checksum thread: the training thread raises it in its next
-        # wait instead of waiting forever for a snapshot that will never be copied.
+        # The first error of the copy or checksum thread (both go on): the training thread
+        # raises it in its next wait, rather than training on with snapshots never taken.
         self.failure: BaseException | None = None
         self._copies: queue.Queue[_CopyJob | None] = queue.Queue()
         # A copied snapshot, and whether to checksum it (its copy completed, uncut).
