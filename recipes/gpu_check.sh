@@ -6,6 +6,8 @@
 #                recipe through an injected failure, bit for bit against the fault-free
 #                run, with both APIs) and the CUDA cases of tests/unit;
 #   bandwidth    pinned and pageable device-to-host copy bandwidth of a 1 GiB buffer;
+#   copy_queue   recipes/copy_queue_probe.py: how long the training stream's small reads
+#                wait behind a 4 GiB snapshot copy issued at once or in batches;
 #   bench_tiny   `recipes/bench.py hardware=h100` on this one GPU with the tiny model: the
 #                path runs end to end;
 #   bench_sized  the same on a model sized to the GPU (the paper's GPT-MoE widths, 2 layers
@@ -19,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-outputs/gpu_check}
 shift $(($# > 0 ? 1 : 0))
-checks=" ${*:-tests bandwidth bench_tiny bench_sized} "
+checks=" ${*:-tests bandwidth copy_queue bench_tiny bench_sized} "
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
@@ -65,6 +67,8 @@ for _ in range(3):
 print(f"device-to-host, 1 GiB: pinned {pinned / 1e9:.1f} GB/s, "
       f"pageable {nbytes / best / 1e9:.1f} GB/s")
 EOF
+
+wanted copy_queue && step copy_queue 120 python3 recipes/copy_queue_probe.py
 
 bench=(python3 recipes/bench.py --ettr-policies --peers --policies moevement gemini)
 wanted bench_tiny && step bench_tiny 150 "${bench[@]}" --steps 40 --out "$out/bench_tiny" \

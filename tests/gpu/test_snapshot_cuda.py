@@ -28,8 +28,11 @@ class _Wait(StepHooks):
         return None
 
 
-@pytest.mark.parametrize("precision", ["32", "bf16-master"])
-def test_cuda_snapshots_are_exact_and_pinned(precision: str) -> None:
+@pytest.mark.parametrize(("precision", "batch_bytes"),
+                         [("32", None), ("bf16-master", None), ("32", 3000)])
+def test_cuda_snapshots_are_exact_and_pinned(precision: str, batch_bytes: int | None) -> None:
+    """Snapshots equal the state after their step; with ``batch_bytes`` small, the copy
+    thread issues them in many batches and splits tensors across them."""
     torch.backends.cudnn.deterministic = True
     settings = settings_from_config(OmegaConf.create({
         "model": {"max_seq_len": 64}, "data": {"seq_len": 64},
@@ -37,6 +40,8 @@ def test_cuda_snapshots_are_exact_and_pinned(precision: str) -> None:
     engine = TrainingEngine.local(settings, device="cuda")
     registry = engine.registry
     snapshots = SnapshotEngine(registry, engine.state, 0, torch.device("cuda"))
+    if batch_bytes is not None:
+        snapshots.copy_batch_bytes = batch_bytes  # before the first copy list is cut
     engine.hooks.append(_Wait(snapshots))
     names = registry.names
     generator = torch.Generator().manual_seed(0)
@@ -66,6 +71,11 @@ def test_cuda_snapshots_are_exact_and_pinned(precision: str) -> None:
             assert torch.equal(held, tensor), (snapshot.step, name)
         assert all(piece.verify() for piece in snapshot.pieces.values())
     assert snapshots.pool.allocations > 0
+    cut = [copies.batches for copies in snapshots.copy_lists.values()]
+    assert all(batches is not None for batches in cut)
+    if batch_bytes is not None:  # the small batches did split tensors
+        assert any(segment.stop is not None for batches in cut if batches is not None
+                   for batch in batches.segments for segment in batch)
 
 
 def test_device_metadata_reaches_the_host_with_the_copies() -> None:

@@ -11,8 +11,10 @@ any wait as stall time (invariant 3: the wait is measured, never hidden).
 * CUDA: copies run on a dedicated stream, ordered after step ``t`` by an event, into
   pinned host buffers. The copy thread issues them, not the training thread: a
   ``cudaMemcpyAsync`` blocks once the copy queue is full, which on an H200 held the
-  training thread about 50 ms per iteration of a 4 GB snapshot. The main thread never
-  blocks except in that measured wait.
+  training thread about 50 ms per iteration of a 4 GB snapshot. It issues them in
+  batches, a few queued at a time (:mod:`~lightning_moe_ckpt.checkpoint.copy_batches`), so
+  the training stream's own device-to-host reads never wait behind a whole snapshot. The
+  main thread never blocks except in that measured wait.
 * CPU: the copy thread performs the copies.
 
 A second thread checksums each snapshot once its copies are done, so the next snapshot's
@@ -47,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from lightning_moe_ckpt.checkpoint import copy_batches
 from lightning_moe_ckpt.checkpoint.checksum import (
     ChecksumThreads,
     names_checksum,
@@ -263,6 +266,7 @@ class _CopyJob:
     targets: list[torch.Tensor]
     nbytes: int  # of the sources
     ready: torch.cuda.Event | None = None  # CUDA: recorded on the training stream after step t
+    batches: copy_batches.CopyBatches | None = None  # CUDA: how the copies are issued
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,6 +280,7 @@ class CopyList:
     sources: tuple[torch.Tensor, ...]  # copied behind the next iteration
     at_issue_sources: tuple[torch.Tensor, ...]  # module buffers, copied at issue
     fingerprint: StateFingerprint
+    batches: copy_batches.CopyBatches | None = None  # CUDA: :attr:`sources` in batches
 
     @cached_property
     def behind_bytes(self) -> int:
@@ -326,6 +331,10 @@ class SnapshotEngine:
         # Large pieces are checksummed on several threads, to keep up with a GPU's copies.
         self.checksums = ChecksumThreads(checksum_threads)
         self.copy_lists: dict[tuple[tuple[str, ...], tuple[str, ...]], CopyList] = {}
+        self.copy_batch_bytes = copy_batches.COPY_BATCH_BYTES
+        # CUDA: the copy thread's ring of events, one per batch it may have queued.
+        self._queued = [torch.cuda.Event(blocking=True)
+                        for _ in range(copy_batches.COPY_BATCHES_IN_FLIGHT if self.cuda else 0)]
         self.copy_list_builds = 0
         # The first error of the copy or checksum thread (both go on): the training thread
         # raises it in its next wait, rather than training on with snapshots never taken.
@@ -366,9 +375,12 @@ class SnapshotEngine:
         fingerprint = StateFingerprint(self.state,
                                        (piece for op in operators for piece in op.pieces),
                                        (buffer for op in operators for buffer in op.buffers))
-        built = CopyList(pieces, tuple(t for layout in pieces for t in layout.behind_sources),
+        sources = tuple(t for layout in pieces for t in layout.behind_sources)
+        built = CopyList(pieces, sources,
                          tuple(t for layout in pieces for t in layout.at_issue_sources),
-                         fingerprint)
+                         fingerprint,
+                         copy_batches.CopyBatches.of(sources, self.copy_batch_bytes)
+                         if self.cuda else None)
         self.copy_lists[shape] = built
         self.copy_list_builds += 1
         return built
@@ -406,7 +418,7 @@ class SnapshotEngine:
             ready.record()  # the side stream's copies start after step t, and after these
         self.pending.append(snapshot)
         self._copies.put(_CopyJob(snapshot, list(copies.sources), targets,
-                                  copies.behind_bytes, ready))
+                                  copies.behind_bytes, ready, copies.batches))
         return snapshot
 
     def interrupt_copy(self, step: int) -> None:
@@ -445,6 +457,7 @@ class SnapshotEngine:
             usable = True
             try:
                 self._copy(job)
+                self.bytes_copied += job.nbytes
             except Exception as error:  # the snapshot stays unchecksummed, so unusable
                 self.failure = self.failure or error
                 usable = False
@@ -467,23 +480,29 @@ class SnapshotEngine:
         if job.sources:  # one call: a per-tensor loop would contend for the GIL
             torch._foreach_copy_(job.targets, job.sources)
         self.copy_s += time.perf_counter() - copy_started
-        self.bytes_copied += job.nbytes
 
     def _copy_on_stream(self, job: _CopyJob) -> None:
-        """Issue ``job``'s copies on the side stream after its ready event and wait for
-        them, sleeping (a blocking event) instead of spinning a core."""
-        assert self.stream is not None and job.ready is not None
+        """Issue ``job``'s copies on the side stream after its ready event, in batches
+        with at most one per event of the ring queued, and wait for them, sleeping
+        (blocking events) instead of spinning a core."""
+        assert self.stream is not None and job.ready is not None and job.batches is not None
         started = torch.cuda.Event(enable_timing=True)
         done = torch.cuda.Event(enable_timing=True, blocking=True)
+        queued = self._queued
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(job.ready)
             started.record(self.stream)
-            if job.sources:  # one call: the launches are made in C++, not per tensor here
-                torch._foreach_copy_(job.targets, job.sources, non_blocking=True)
+            batches = zip(job.batches.targets(job.targets), job.batches.sources, strict=True)
+            for number, (targets, sources) in enumerate(batches):
+                slot = queued[number % len(queued)]
+                if number >= len(queued):
+                    slot.synchronize()  # that batch is done: room in the queue
+                # One call per batch: the launches are made in C++, not per tensor here.
+                torch._foreach_copy_(targets, sources, non_blocking=True)
+                slot.record(self.stream)
             done.record(self.stream)
         done.synchronize()
         self.copy_s += started.elapsed_time(done) / 1e3
-        self.bytes_copied += job.nbytes
 
     def _checksum_loop(self) -> None:
         """The checksum thread: every piece of each copied snapshot (except one whose copy a
