@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from lightning_moe_ckpt.checkpoint.copy_batches import CopyBatches
+from lightning_moe_ckpt.checkpoint.copy_batches import CopyBatches, CopySegment
 
 
 def _sources() -> list[torch.Tensor]:
@@ -48,8 +48,8 @@ def test_batches_cover_every_element_once_in_order(batch_bytes: int) -> None:
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
 
 
-@pytest.mark.parametrize("batch_bytes", [1, 700, 4000, 10**6])
-def test_copying_batch_by_batch_is_exact(batch_bytes: int) -> None:
+@pytest.mark.parametrize("batch_bytes", [1, 700, 4000, 10**6, None])
+def test_copying_batch_by_batch_is_exact(batch_bytes: int | None) -> None:
     sources = _sources()
     targets = [torch.empty(s.shape, dtype=s.dtype) for s in sources]
     batches = CopyBatches.of(sources, batch_bytes)
@@ -57,8 +57,16 @@ def test_copying_batch_by_batch_is_exact(batch_bytes: int) -> None:
         torch._foreach_copy_(views, parts)
     for source, target in zip(sources, targets, strict=True):
         assert torch.equal(source, target)
-    if batch_bytes < 4000:
+    if batch_bytes is not None and batch_bytes < 4000:
         assert len(batches.segments) > 1
+
+
+def test_no_batch_size_is_one_batch_of_every_tensor_whole() -> None:
+    sources = _sources()
+    batches = CopyBatches.of(sources, None)
+    assert batches.segments == (tuple(CopySegment(i) for i in range(len(sources))),)
+    assert all(a is b for a, b in zip(batches.sources[0], sources, strict=True))
+    assert CopyBatches.of([], None).segments == ()
 
 
 def test_the_batch_size_must_be_positive() -> None:

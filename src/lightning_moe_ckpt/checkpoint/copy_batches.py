@@ -1,16 +1,16 @@
-"""Device-to-host snapshot copies cut into batches, so they never hold up the training
-stream's own copies.
+"""Device-to-host snapshot copies cut into batches, so that they need not hold up the
+training stream's own copies.
 
 Every device-to-host copy of a GPU goes through its copy engine, whichever stream issued
 it. Issued at once, a 4 GB snapshot queues ahead of any small device-to-host copy the
 training stream makes before it ends: a MoE layer's routing counts (``.tolist()``, one per
 layer and micro-batch), a loss read for logging. On an H200 the first such read then
 waited for the rest of the snapshot: a 4 GiB copy added 71 ms to a stand-in iteration of
-87 ms (``recipes/copy_queue_probe.py``), in these batches 0.4-2.1 ms. The copy thread
-therefore issues the copies in batches of about :data:`COPY_BATCH_BYTES`, at most
-:data:`COPY_BATCHES_IN_FLIGHT` queued at a time: a training-stream read waits behind a
-millisecond or two of copies at most, and the thread queues the next batch while one is
-still running.
+87 ms (``recipes/copy_queue_probe.py``), in batches of 8-64 MiB with two queued 0.4-2.1 ms.
+In batches the copy itself ran at about half the speed, though, and on the sized GPT-MoE
+one run with 8 MiB batches was no faster than one without. So the engine issues a
+snapshot at once by default (:data:`COPY_BATCH_BYTES` None); batches of about that many
+bytes, at most :data:`COPY_BATCHES_IN_FLIGHT` queued, are there to be measured.
 
 Batches are cut once per copy list (the plan repeats every W iterations); a tensor larger
 than a batch is split into contiguous slices. Per iteration the copy thread only slices
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-COPY_BATCH_BYTES = 32 * 2**20
+COPY_BATCH_BYTES: int | None = None  # None: a snapshot's copies in one batch
 COPY_BATCHES_IN_FLIGHT = 2
 
 
@@ -51,10 +51,14 @@ class CopyBatches:
     sources: tuple[list[torch.Tensor], ...]  # each batch's source views, made once
 
     @classmethod
-    def of(cls, sources: Sequence[torch.Tensor], batch_bytes: int) -> CopyBatches:
+    def of(cls, sources: Sequence[torch.Tensor], batch_bytes: int | None) -> CopyBatches:
         """Batches of ``sources``: whole tensors fill a batch up to ``batch_bytes``; a
         contiguous tensor that does not fit the rest of one is split into slices (a
-        non-contiguous one, which cannot be flattened without a copy, goes whole)."""
+        non-contiguous one, which cannot be flattened without a copy, goes whole).
+        ``batch_bytes`` None: one batch of every tensor whole."""
+        if batch_bytes is None:
+            whole = tuple(CopySegment(index) for index in range(len(sources)))
+            return cls((whole,) if whole else (), ([*sources],) if whole else ())
         if batch_bytes <= 0:
             raise ValueError(f"copy batch bytes must be positive, got {batch_bytes}")
         batches: list[tuple[CopySegment, ...]] = []

@@ -11,10 +11,11 @@ any wait as stall time (invariant 3: the wait is measured, never hidden).
 * CUDA: copies run on a dedicated stream, ordered after step ``t`` by an event, into
   pinned host buffers. The copy thread issues them, not the training thread: a
   ``cudaMemcpyAsync`` blocks once the copy queue is full, which on an H200 held the
-  training thread about 50 ms per iteration of a 4 GB snapshot. It issues them in
-  batches, a few queued at a time (:mod:`~lightning_moe_ckpt.checkpoint.copy_batches`), so
-  the training stream's own device-to-host reads never wait behind a whole snapshot. The
-  main thread never blocks except in that measured wait.
+  training thread about 50 ms per iteration of a 4 GB snapshot. It can issue them in
+  batches, a few queued at a time (:mod:`~lightning_moe_ckpt.checkpoint.copy_batches`),
+  so that the training stream's own device-to-host reads need not wait behind a whole
+  snapshot (by default in one). The main thread never blocks except in that measured
+  wait.
 * CPU: the copy thread performs the copies.
 
 A second thread checksums each snapshot once its copies are done, so the next snapshot's
@@ -331,7 +332,7 @@ class SnapshotEngine:
         # Large pieces are checksummed on several threads, to keep up with a GPU's copies.
         self.checksums = ChecksumThreads(checksum_threads)
         self.copy_lists: dict[tuple[tuple[str, ...], tuple[str, ...]], CopyList] = {}
-        self.copy_batch_bytes = copy_batches.COPY_BATCH_BYTES
+        self.copy_batch_bytes: int | None = copy_batches.COPY_BATCH_BYTES
         # CUDA: the copy thread's ring of events, one per batch it may have queued.
         self._queued = [torch.cuda.Event(blocking=True)
                         for _ in range(copy_batches.COPY_BATCHES_IN_FLIGHT if self.cuda else 0)]
