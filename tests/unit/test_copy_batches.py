@@ -72,3 +72,37 @@ def test_no_batch_size_is_one_batch_of_every_tensor_whole() -> None:
 def test_the_batch_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="copy batch bytes must be positive, got 0"):
         CopyBatches.of(_sources(), 0)
+
+
+class _RecordingEvent:
+    """Stands in for a blocking CUDA event: logs when it is waited for and recorded."""
+
+    def __init__(self, name: int, log: list[tuple[str, int]]) -> None:
+        self.name, self.log = name, log
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.name))
+
+    def record(self) -> None:
+        self.log.append(("record", self.name))
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+def test_issue_keeps_at_most_the_ring_queued(in_flight: int) -> None:
+    """Before batch n is issued, batch n - len(ring) was waited for; each batch records
+    its event once issued; the copies are exact."""
+    sources = _sources()
+    targets = [torch.empty(s.shape, dtype=s.dtype) for s in sources]
+    batches = CopyBatches.of(sources, 700)
+    log: list[tuple[str, int]] = []
+    ring = [_RecordingEvent(i, log) for i in range(in_flight)]
+    batches.issue(targets, ring)  # type: ignore[arg-type]  # CPU copies, stand-in events
+    expected: list[tuple[str, int]] = []
+    for number in range(len(batches.segments)):
+        if number >= in_flight:
+            expected.append(("wait", number % in_flight))
+        expected.append(("record", number % in_flight))
+    assert log == expected
+    assert len(batches.segments) > in_flight  # the ring did wrap
+    for source, target in zip(sources, targets, strict=True):
+        assert torch.equal(source, target)

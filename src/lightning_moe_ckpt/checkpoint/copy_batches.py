@@ -94,3 +94,16 @@ class CopyBatches:
         sources' order)."""
         for batch in self.segments:
             yield [segment.of(targets) for segment in batch]
+
+    def issue(self, targets: Sequence[torch.Tensor], ring: Sequence[torch.cuda.Event]) -> None:
+        """Issue the copies into ``targets`` on the current CUDA stream, batch by batch,
+        at most ``len(ring)`` queued: before each batch, wait (a blocking event sleeps) for
+        the one ``len(ring)`` batches before it. Returns once the last batch is queued."""
+        pairs = zip(self.targets(targets), self.sources, strict=True)
+        for number, (views, sources) in enumerate(pairs):
+            slot = ring[number % len(ring)]
+            if number >= len(ring):
+                slot.synchronize()  # that batch is done: room in the queue
+            # One call per batch: the launches are made in C++, not per tensor here.
+            torch._foreach_copy_(views, sources, non_blocking=True)
+            slot.record()

@@ -489,18 +489,10 @@ class SnapshotEngine:
         assert self.stream is not None and job.ready is not None and job.batches is not None
         started = torch.cuda.Event(enable_timing=True)
         done = torch.cuda.Event(enable_timing=True, blocking=True)
-        queued = self._queued
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(job.ready)
             started.record(self.stream)
-            batches = zip(job.batches.targets(job.targets), job.batches.sources, strict=True)
-            for number, (targets, sources) in enumerate(batches):
-                slot = queued[number % len(queued)]
-                if number >= len(queued):
-                    slot.synchronize()  # that batch is done: room in the queue
-                # One call per batch: the launches are made in C++, not per tensor here.
-                torch._foreach_copy_(targets, sources, non_blocking=True)
-                slot.record(self.stream)
+            job.batches.issue(job.targets, self._queued)
             done.record(self.stream)
         done.synchronize()
         self.copy_s += started.elapsed_time(done) / 1e3
