@@ -260,14 +260,14 @@ class HostBufferPool:
 
 @dataclass(frozen=True)
 class _CopyJob:
-    """One snapshot's copies, from the training thread to the copy thread."""
+    """One snapshot's copies, from the training thread to the copy thread: the copy list
+    of its plan's shape (the sources, their bytes, on CUDA their batches) and the host
+    targets, in the sources' order."""
 
     snapshot: Snapshot
-    sources: list[torch.Tensor]
+    copies: CopyList
     targets: list[torch.Tensor]
-    nbytes: int  # of the sources
     ready: torch.cuda.Event | None = None  # CUDA: recorded on the training stream after step t
-    batches: copy_batches.CopyBatches | None = None  # CUDA: how the copies are issued
 
 
 @dataclass(frozen=True, eq=False)
@@ -418,8 +418,7 @@ class SnapshotEngine:
             ready = torch.cuda.Event()
             ready.record()  # the side stream's copies start after step t, and after these
         self.pending.append(snapshot)
-        self._copies.put(_CopyJob(snapshot, list(copies.sources), targets,
-                                  copies.behind_bytes, ready, copies.batches))
+        self._copies.put(_CopyJob(snapshot, copies, targets, ready))
         return snapshot
 
     def interrupt_copy(self, step: int) -> None:
@@ -458,7 +457,7 @@ class SnapshotEngine:
             usable = True
             try:
                 self._copy(job)
-                self.bytes_copied += job.nbytes
+                self.bytes_copied += job.copies.behind_bytes
             except Exception as error:  # the snapshot stays unchecksummed, so unusable
                 self.failure = self.failure or error
                 usable = False
@@ -478,21 +477,22 @@ class SnapshotEngine:
         if self.copy_delay_s:
             time.sleep(self.copy_delay_s)
         copy_started = time.perf_counter()
-        if job.sources:  # one call: a per-tensor loop would contend for the GIL
-            torch._foreach_copy_(job.targets, job.sources)
+        if job.targets:  # one call: a per-tensor loop would contend for the GIL
+            torch._foreach_copy_(job.targets, job.copies.sources)
         self.copy_s += time.perf_counter() - copy_started
 
     def _copy_on_stream(self, job: _CopyJob) -> None:
         """Issue ``job``'s copies on the side stream after its ready event, in batches
         with at most one per event of the ring queued, and wait for them, sleeping
         (blocking events) instead of spinning a core."""
-        assert self.stream is not None and job.ready is not None and job.batches is not None
+        batches = job.copies.batches
+        assert self.stream is not None and job.ready is not None and batches is not None
         started = torch.cuda.Event(enable_timing=True)
         done = torch.cuda.Event(enable_timing=True, blocking=True)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(job.ready)
             started.record(self.stream)
-            job.batches.issue(job.targets, self._queued)
+            batches.issue(job.targets, self._queued)
             done.record(self.stream)
         done.synchronize()
         self.copy_s += started.elapsed_time(done) / 1e3
