@@ -11,7 +11,6 @@ writes ``final_state.pt``, ``metrics.json`` and the training plot into ``out_dir
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -25,27 +24,19 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
-from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
-from lightning_moe_ckpt.parallel.engine import DistributedExecutor
-from lightning_moe_ckpt.recovery.faults import has_real_faults, schedule_from_config
+from lightning_moe_ckpt.recovery.faults import schedule_from_config
 from lightning_moe_ckpt.recovery.real_failures import PeerFailureHandler
 from lightning_moe_ckpt.recovery.rendezvous import (
-    JobStore,
     await_assignment,
     exit_on_error,
     supervised,
 )
-from lightning_moe_ckpt.recovery.supervisor import Supervisor, report_of
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
 from lightning_moe_ckpt.targets.base import IterationAborted
-from lightning_moe_ckpt.targets.lightning import (
-    align_trainer_step,
-    skip_first_sigterm_broadcast,
-)
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.hf_module import HFLanguageModule
@@ -55,7 +46,6 @@ from lightning_moe_ckpt.training.outputs import (
     FINAL_STATE,
     METRICS,
     PLOT,
-    WORKERS,
     consolidated_state,
     gather_cpu_ms,
     gather_target_state,
@@ -65,18 +55,14 @@ from lightning_moe_ckpt.training.outputs import (
 )
 from lightning_moe_ckpt.training.peers import PEER_POLICIES, PeerCheckpointing
 from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
+from lightning_moe_ckpt.training.supervised import (
+    RecoverRealFailures,
+    handle_peer_failures,
+    job_store,
+    needs_supervisor,
+    supervise_workers,
+)
 from lightning_moe_ckpt.training.telemetry import ValidationMetrics, evaluate, step_log_values
-
-MEMORY_EVERY = 100  # steps between samples of host memory (a /proc read: negligible)
-
-
-def resident_bytes() -> int:
-    """This process's resident set size now (0 where ``/proc`` is missing)."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -146,130 +132,6 @@ def _csv_logger(settings: RunSettings) -> CSVLogger:
     return CSVLogger(save_dir=settings.out_dir, name="csv", version=0)
 
 
-def _job_store(settings: RunSettings) -> JobStore | None:
-    """This worker's handle on the supervised job (``None`` when not supervised)."""
-    return JobStore.from_env(settings.recovery.timeout_s)
-
-
-def _needs_supervisor(settings: RunSettings) -> bool:
-    """Whether the job runs under the supervisor (``recovery.supervise``)."""
-    supervise = settings.recovery.supervise
-    real = settings.faults.get("name", "none") != "none" and has_real_faults(
-        schedule_from_config(settings.faults, world_size=settings.layout.world_size,
-                             max_steps=settings.max_steps, seed=settings.seed))
-    if supervise is False:
-        require(not real and settings.spares == 0,
-                f"recovery.supervise=false, but real faults (faults.kind="
-                f"{settings.faults.get('kind')!r}) or parallel.spares={settings.spares} "
-                "need the supervisor")
-        return False
-    return supervise is True or real or settings.spares > 0
-
-
-def _supervise(settings: RunSettings) -> dict[str, Any]:
-    """Run the job's workers under the supervisor (this process hosts the store)."""
-    why = (f"recovery.supervise={settings.recovery.supervise}, "
-           f"faults.kind={settings.faults.get('kind')!r}, parallel.spares={settings.spares}")
-    require(settings.layout.world_size > 1,
-            f"{why}: real failures need several worker processes (a layout with "
-            "parallel.pp x dp x ep > 1)")
-    require(settings.checkpoint.policy not in ("none", *PEER_POLICIES),
-            f"{why}: real failures are recovered from sparse checkpoints "
-            f"(checkpoint={settings.checkpoint.policy})")
-    Path(settings.out_dir).mkdir(parents=True, exist_ok=True)
-    supervisor = Supervisor([sys.executable, *sys.argv], settings.layout.world_size,
-                            settings.recovery.timeout_s, settings.recovery.max_restarts,
-                            settings.spares, status_path=Path(settings.out_dir) / WORKERS)
-    code = supervisor.run()
-    path = Path(settings.out_dir) / METRICS
-    if code != 0:
-        raise SystemExit(code)
-    metrics: dict[str, Any] = json.loads(path.read_text())
-    metrics["replacements"] = report_of(supervisor.replacements)
-    metrics["worker_pids"] = {str(rank): pids for rank, pids in supervisor.pids.items()}
-    metrics["spare_pids"] = supervisor.spare_pids
-    metrics["supervised_training_s"] = supervisor.training_s
-    path.write_text(json.dumps(metrics, indent=2))
-    for r in supervisor.replacements:
-        print(f"  generation {r.generation}: rank {r.rank} ({r.cause}) pid {r.dead_pid} "
-              f"replaced by pid {r.new_pid}")
-    return metrics
-
-
-def _handle_peer_failures(settings: RunSettings, job: JobStore, engine: TrainingEngine,
-                          checkpointing: SparseCheckpointing,
-                          injector: FailureInjector | None, core: Any,
-                          device: torch.device) -> PeerFailureHandler:
-    """Hook real-failure recovery into ``engine`` (after checkpointing and the injector
-    attached); a replacement recovers its rank's state here, before its first iteration."""
-    coordinator = checkpointing.coordinator
-    assert coordinator is not None
-
-    def reform_groups() -> None:
-        core.reform(engine, device)
-        coordinator.reform_replication()
-
-    def warm_up() -> None:
-        executor = engine.executor
-        assert isinstance(executor, DistributedExecutor)
-        executor.warm_up(settings.global_batch // (settings.layout.microbatches
-                                                   * settings.layout.data_shards),
-                         settings.data.seq_len)
-
-    handler = PeerFailureHandler(job, engine, coordinator, reform_groups, warm_up,
-                                 dist.get_backend(), checkpointing.upstream_log,
-                                 release_groups=lambda: core.release(engine))
-    engine.hooks.insert(0, handler)  # heartbeat and generation check come first
-    if job.replaces is not None:
-        if injector is not None:  # its own fault is behind it; where it joins, not known yet
-            injector.real_from = None  # (the replication thread may run before that)
-        handler.join_as_replacement()
-        if injector is not None:
-            injector.real_from = engine.step + 1
-    if injector is not None:  # from now on, real faults in phase "recovery" can strike
-        handler.recovery_started = injector.fail_during_recovery
-    return handler
-
-
-class _RecoverRealFailures(L.Callback):
-    """The Trainer API under the supervisor: attaches checkpointing and the injector when
-    fitting starts (a replacement takes no initial snapshot), hooks real-failure recovery
-    in, and moves a replacement's Trainer to the step it recovered, so that its data,
-    validation and ``max_steps`` line up with the survivors' before the data loaders are
-    built."""
-
-    def __init__(self, settings: RunSettings, job: JobStore,
-                 checkpointing: SparseCheckpointing, injector: FailureInjector | None) -> None:
-        self.settings, self.job = settings, job
-        self.checkpointing, self.injector = checkpointing, injector
-        self.handler: PeerFailureHandler | None = None
-
-    @override
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        assert isinstance(pl_module, MoELanguageModule)
-        engine = pl_module.engine_or_raise()
-        self.checkpointing.attach(engine, rank=trainer.global_rank,
-                                  world_size=trainer.world_size,
-                                  ranks_per_node=max(1, trainer.num_devices),
-                                  device=pl_module.device,
-                                  take_initial=self.job.replaces is None)
-        if self.injector is not None:
-            self.injector.trainer = trainer
-            self.injector.attach(engine, trainer.global_rank, trainer.world_size)
-        strategy = trainer.strategy
-        assert isinstance(strategy, TrainerMoEParallelStrategy)
-        self.handler = _handle_peer_failures(self.settings, self.job, engine,
-                                             self.checkpointing, self.injector,
-                                             strategy.core, pl_module.device)
-        align_trainer_step(trainer, engine.step, batches=True)
-        if self.job.replaces is not None:
-            skip_first_sigterm_broadcast(trainer)
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.job.training_finished()
-
-
 def _train_with_trainer(settings: RunSettings, data: RunData,
                         history: TrainingHistory) -> TrainedState:
     module = MoELanguageModule(settings, history, data)
@@ -278,8 +140,8 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
     distributed = settings.layout.world_size > 1
     strategy: Any = (TrainerMoEParallelStrategy(**_strategy_args(settings)) if distributed
                      else "auto")
-    job = _job_store(settings)
-    recovery = (_RecoverRealFailures(settings, job, checkpointing, injector)
+    job = job_store(settings)
+    recovery = (RecoverRealFailures(settings, job, checkpointing, injector)
                 if job is not None and checkpointing is not None and distributed else None)
     trainer = L.Trainer(
         strategy=strategy, precision="32-true", max_steps=settings.max_steps,
@@ -355,7 +217,7 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     shard = strategy.core.data_shard if distributed else 0
     engine.batch = lambda t: data.train.iteration(t, shard)  # replay reads the sampler
     _, wrapped_optimizer = fabric.setup(engine.model, engine.optimizer)
-    job = _job_store(settings)
+    job = job_store(settings)
     if checkpointing is not None:
         # A replacement starts empty: its state comes from its peers in the recovery.
         checkpointing.attach(engine, rank=fabric.global_rank, world_size=fabric.world_size,
@@ -367,7 +229,7 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
         injector.attach(engine, fabric.global_rank, fabric.world_size)
     handler = None
     if job is not None and checkpointing is not None and distributed:
-        handler = _handle_peer_failures(settings, job, engine, checkpointing, injector,
+        handler = handle_peer_failures(settings, job, engine, checkpointing, injector,
                                         strategy.core, fabric.device)
     peer = _peer_checkpointing(settings, engine, fabric.global_rank, fabric.world_size)
     layer_ids = list(range(settings.model.n_layers))
@@ -399,10 +261,8 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
             fabric.log_dict(values, step=done - 1)
             if show:
                 steps.set_postfix(loss=f"{float(result.loss):.3f}")
-        if done % MEMORY_EVERY == 0 or done == settings.max_steps:
-            history.memory.append({"step": done, "rss_bytes": resident_bytes(),
-                                   "checkpoint_host_bytes": 0 if checkpointing is None
-                                   else checkpointing.host_bytes()})
+        if history.memory_due(done, settings.max_steps):
+            history.sample_memory(done, 0 if checkpointing is None else checkpointing.host_bytes())
         if done % settings.val_every == 0 or done == settings.max_steps:
             loss, perplexity = evaluate(engine.executor, val, metrics, fabric.device)
             history.validation.append(ValidationRecord(done, loss, perplexity))
@@ -445,14 +305,14 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     """Train as the recipe config says and write the run's artifacts on rank 0; returns the
     metrics (empty on other ranks)."""
     settings = settings_from_config(cfg)
-    if _needs_supervisor(settings):
+    if needs_supervisor(settings):
         if not supervised():
-            return _supervise(settings)
+            return supervise_workers(settings)
         with exit_on_error():
             if not await_assignment():  # a warm spare the job did not need
                 return {}
             metrics = _train_and_write(settings)
-            job = _job_store(settings)
+            job = job_store(settings)
             if job is not None:  # its helper thread ends before the interpreter does
                 job.stop_heartbeat()
             _leave_process_groups()

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from lightning_moe_ckpt.callbacks.sparse_checkpointing import LargestAcrossRanks
+from lightning_moe_ckpt.checkpoint.agreement import LargestAcrossRanks
 from lightning_moe_ckpt.checkpoint.planners import MoEvementPlanner
 from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec
 from tests.distributed.harness import run_distributed

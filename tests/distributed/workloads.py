@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
-from lightning_moe_ckpt.checkpoint.planners import BasePlanner
+from lightning_moe_ckpt.checkpoint.planner_base import BasePlanner
 from lightning_moe_ckpt.data import BatchLayout, SeekableSampler
 from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
 from lightning_moe_ckpt.parallel.engine import build_parallel_engine
@@ -197,7 +197,7 @@ class RoundRobinPlanner(BasePlanner):
 
     @override
     def plan(self, iteration: int) -> Any:
-        from lightning_moe_ckpt.checkpoint.planners import CapturePlan
+        from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
 
         index = iteration % self.window
         turns = [tuple(self.names[i::self.window]) for i in range(self.window)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lightning_moe_ckpt.checkpoint.planners import CapturePlan
+from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
 from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
 from lightning_moe_ckpt.targets.base import StepHooks
 from lightning_moe_ckpt.training.engine import TrainingEngine

@@ -29,12 +29,7 @@ from lightning_moe_ckpt.checkpoint.codec import (
     encode_snapshot_into,
     snapshot_header,
 )
-from lightning_moe_ckpt.checkpoint.snapshot import (
-    PieceBuffers,
-    PieceLayout,
-    Snapshot,
-    SnapshotPiece,
-)
+from lightning_moe_ckpt.checkpoint.pieces import PieceBuffers, PieceLayout, Snapshot, SnapshotPiece
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)
 

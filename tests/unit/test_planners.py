@@ -11,12 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_moe_ckpt.checkpoint import profiler
-from lightning_moe_ckpt.checkpoint.planners import (
-    PLANNER_NAMES,
-    CapturePlan,
-    MoEvementPlanner,
-    make_planner,
-)
+from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
+from lightning_moe_ckpt.checkpoint.planners import PLANNER_NAMES, MoEvementPlanner, make_planner
 from lightning_moe_ckpt.checkpoint.planners_dense import (
     CheckFreqPlanner,
     GeminiPlanner,

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
+from lightning_moe_ckpt.checkpoint.pieces import Snapshot, SnapshotPiece
 from lightning_moe_ckpt.checkpoint.replication import (
     CorruptCheckpointError,
     decode_snapshot,
     encode_snapshot,
 )
-from lightning_moe_ckpt.checkpoint.snapshot import Snapshot, SnapshotPiece
 
 
 @dataclass(frozen=True)

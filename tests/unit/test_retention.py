@@ -9,14 +9,14 @@ import torch
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
 from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
 from lightning_moe_ckpt.checkpoint.codec import decode_snapshot, encode_snapshot
-from lightning_moe_ckpt.checkpoint.planners import CapturePlan
-from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
-from lightning_moe_ckpt.checkpoint.snapshot import (
+from lightning_moe_ckpt.checkpoint.pieces import (
     HostBufferPool,
     PieceLayout,
     Snapshot,
     SnapshotPiece,
 )
+from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
+from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 from lightning_moe_ckpt.errors import ConfigError
 

@@ -22,19 +22,19 @@ import torch
 from lightning_moe_ckpt.checkpoint import codec
 from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
 from lightning_moe_ckpt.checkpoint.codec import decode_snapshot, encode_snapshot
-from lightning_moe_ckpt.checkpoint.replication import ReplicaStore
+from lightning_moe_ckpt.checkpoint.pieces import (
+    HostBufferPool,
+    PieceLayout,
+    Snapshot,
+    SnapshotPiece,
+)
+from lightning_moe_ckpt.checkpoint.replica_store import ReplicaStore
 from lightning_moe_ckpt.checkpoint.shared_slots import (
     SharedSlot,
     SlotHandle,
     SlotMapper,
     SlotRing,
     slot_key,
-)
-from lightning_moe_ckpt.checkpoint.snapshot import (
-    HostBufferPool,
-    PieceLayout,
-    Snapshot,
-    SnapshotPiece,
 )
 
 BOUNDED_S = 60.0  # the source process starts (imports torch) and dies within this

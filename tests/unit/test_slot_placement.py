@@ -20,10 +20,11 @@ from lightning_moe_ckpt.checkpoint.codec import (
     encode_snapshot,
     snapshot_header,
 )
-from lightning_moe_ckpt.checkpoint.replication import ReplicaStore
+from lightning_moe_ckpt.checkpoint.pieces import HostBufferPool, Snapshot
+from lightning_moe_ckpt.checkpoint.replica_store import ReplicaStore
 from lightning_moe_ckpt.checkpoint.shared_slots import SlotRing
 from lightning_moe_ckpt.checkpoint.slot_placement import SlotPlacement, encode_in_slot
-from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, Snapshot, SnapshotEngine
+from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.settings import settings_from_config

@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
-from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, Snapshot, SnapshotEngine
+from lightning_moe_ckpt.checkpoint.pieces import HostBufferPool, Snapshot
+from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess

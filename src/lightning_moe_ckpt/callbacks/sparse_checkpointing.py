@@ -14,10 +14,10 @@ The policy is any of ``moevement`` (default), ``gemini``, ``checkfreq``,
 are errors naming ``checkpoint.<key>``).
 
 For ``moevement`` without a forced ``window`` the first ``warmup_iterations`` are profiled
-(iteration time, device-to-host bandwidth) before the first window is planned; all ranks
-agree on the largest W so window boundaries line up (:class:`LargestAcrossRanks`, in the
-background between boundaries). Metrics logged every step:
-snapshot bytes, stall ms, W, reorders, replication lag.
+(iteration time, device-to-host bandwidth; :mod:`.planner_profiling`) before the first
+window is planned; all ranks agree on the largest W so window boundaries line up
+(:mod:`~lightning_moe_ckpt.checkpoint.agreement`, in the background between boundaries).
+Metrics logged every step: snapshot bytes, stall ms, W, reorders, replication lag.
 
 Under the supervisor (``python -m lightning_moe_ckpt.supervise``) a user's module split by
 ``TrainerMoEParallelStrategy`` is also protected against workers that really die or hang
@@ -34,19 +34,15 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightning_moe_ckpt.callbacks.planner_profiling import PlannerProfiling
+from lightning_moe_ckpt.checkpoint.agreement import LargestAcrossRanks
 from lightning_moe_ckpt.checkpoint.checksum import require_checksum_threads
 from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
-from lightning_moe_ckpt.checkpoint.planners import (
-    CapturePlan,
-    make_planner,
-    planner_options,
-    setting_options,
-)
-from lightning_moe_ckpt.checkpoint.profiler import IterationProfiler, measure_bandwidth
+from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
+from lightning_moe_ckpt.checkpoint.planners import make_planner, planner_options, setting_options
 from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
 from lightning_moe_ckpt.checkpoint.shared_slots import SAME_NODE_REPLICAS
 from lightning_moe_ckpt.checkpoint.snapshot import restore_rng, rng_state
@@ -65,35 +61,7 @@ from lightning_moe_ckpt.targets.telemetry import RouterParser
 from lightning_moe_ckpt.targets.user_loop import UserLoopTarget
 from lightning_moe_ckpt.training.lightning_module import MoELanguageModule
 
-_BANDWIDTH_PROBE_BYTES = 32 * 2**20
 _ONE = torch.ones(())  # the clip coefficient of a loop that does not clip
-
-
-class LargestAcrossRanks:
-    """The largest of one integer proposed by every rank: an all-reduce MAX over the
-    default group, started without waiting (:meth:`start`) and collected later
-    (:meth:`result`), or both at once (a call). The moevement planner agrees on W in the
-    background with it; the dense planners agree on a measured ``k`` by calling it."""
-
-    def __init__(self) -> None:
-        self._last: tuple[torch.Tensor, dist.Work] | None = None  # the tensor reduced in place
-
-    def start(self, value: int) -> None:
-        """Propose ``value``; the all-reduce runs in the background."""
-        proposal = torch.tensor([value], dtype=torch.int64)
-        self._last = proposal, dist.all_reduce(proposal, op=dist.ReduceOp.MAX, async_op=True)
-
-    def result(self) -> int:
-        """The largest value of the last proposal (waits until every rank made it)."""
-        if self._last is None:
-            raise RuntimeError("LargestAcrossRanks.result() before any start()")
-        proposal, work = self._last
-        work.wait()
-        return int(proposal)
-
-    def __call__(self, value: int) -> int:
-        self.start(value)
-        return self.result()
 
 
 def _ranks_per_node(fabric: Any) -> int:
@@ -108,54 +76,6 @@ def _logger_writes(trainer: L.Trainer) -> bool:
     ``on_train_batch_end``: one optimizer step per batch, so ``global_step`` counts it)."""
     every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set at init
     return every > 0 and (trainer.global_step % every == 0 or trainer.should_stop)
-
-
-class _ProfilingHook(StepHooks):
-    """Measures the iteration period and, once warm, hands the planner its profile."""
-
-    def __init__(self, coordinator: CheckpointCoordinator, warmup: int,
-                 device: torch.device) -> None:
-        self.coordinator = coordinator
-        self.warmup = warmup
-        self.device = device
-        self.profiler = self._fresh_profiler()
-        coordinator.profiling_restarts.append(self.restart)
-
-    def _fresh_profiler(self) -> IterationProfiler:
-        profiler = IterationProfiler(warmup_iterations=self.warmup, skip=1, device=self.device)
-        profiler.begin()
-        return profiler
-
-    def restart(self) -> None:
-        """Warm up from the next iteration on again (see
-        :meth:`CheckpointCoordinator.restart_profiling`)."""
-        if not self.profiler.done:
-            self.profiler = self._fresh_profiler()
-
-    @override
-    def after_optimizer_step(self, step: int, result: StepResult) -> None:
-        if self.profiler.done:
-            return
-        self.profiler.end()
-        self.profiler.begin()
-        if self.profiler.done:
-            copy = measure_bandwidth(_BANDWIDTH_PROBE_BYTES, self.device)
-            checksums = self.coordinator.snapshots.checksums
-            checksum = checksums.measure(max(_BANDWIDTH_PROBE_BYTES,
-                                             2 * checksums.threads * checksums.chunk_bytes))
-            # A snapshot is taken once copied and checksummed. On CUDA the copy engine and
-            # the checksum threads overlap, so the slower bounds the rate; on CPU both are
-            # work for the cores training shares, so their times add. That rate times the
-            # iteration is Algorithm 1's budget.
-            bandwidth = (min(copy, checksum) if self.device.type == "cuda"
-                         else 1.0 / (1.0 / copy + 1.0 / checksum))
-            iteration_s = self.profiler.iteration_time_s
-            assert iteration_s is not None
-            self.coordinator.planner.set_profile(iteration_s, bandwidth)
-            self.coordinator.profile = {"iteration_time_s": iteration_s,
-                                        "bandwidth_bytes_per_s": bandwidth,
-                                        "copy_bytes_per_s": copy,
-                                        "checksum_bytes_per_s": checksum}
 
 
 class SparseCheckpointing(L.Callback, StepHooks):
@@ -299,7 +219,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
             target.hooks.append(self)
             self.coordinator.store.release_listeners.append(self.upstream_log.release_before)
         if planner.wants_profile and options.get("window") is None:
-            target.hooks.append(_ProfilingHook(self.coordinator, self.warmup_iterations,
+            target.hooks.append(PlannerProfiling(self.coordinator, self.warmup_iterations,
                                                device))
         self._started = time.perf_counter()
         return self.coordinator

@@ -1,13 +1,15 @@
 """Checkpointing: the sparse schedule (Algorithm 1), popularity, profiling, per-policy capture
 planners, and the snapshot engine, store and replication that execute the plans."""
 
-from lightning_moe_ckpt.checkpoint.planners import (
-    PLANNER_NAMES,
+from lightning_moe_ckpt.checkpoint.planner_base import (
     BasePlanner,
     CapturePlan,
-    MoEvementPlanner,
     NonePlanner,
     Planner,
+)
+from lightning_moe_ckpt.checkpoint.planners import (
+    PLANNER_NAMES,
+    MoEvementPlanner,
     make_planner,
     planner_options,
 )

@@ -95,7 +95,7 @@ def tensor_checksum(tensors: Mapping[str, torch.Tensor]) -> int:
     burst of up to 32 bits changes the value, unlike a hash such as xxh3 that only makes a
     miss unlikely) at about 3x the speed here, since it runs on the CPU's CRC instruction.
     Names first and bytes back to back: a piece whose buffers are one contiguous block is
-    checksummed in one call (:class:`~lightning_moe_ckpt.checkpoint.snapshot.PieceBuffers`).
+    checksummed in one call (:class:`~lightning_moe_ckpt.checkpoint.pieces.PieceBuffers`).
     """
     return views_checksum(*tensor_views(tensors))
 

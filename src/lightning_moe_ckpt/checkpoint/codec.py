@@ -46,7 +46,7 @@ from lightning_moe_ckpt.checkpoint.checksum import (
     reseed_checksum,
     tensor_checksum,
 )
-from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
+from lightning_moe_ckpt.checkpoint.pieces import Snapshot
 
 MAGIC = b"MOESNAP3"
 # The same framing with a ``torch.save`` header (a zip archive: 3x the time of a pickle for

@@ -41,15 +41,16 @@ from typing_extensions import override
 
 from lightning_moe_ckpt.checkpoint.checksum import default_threads
 from lightning_moe_ckpt.checkpoint.persist import DiskPersister
+from lightning_moe_ckpt.checkpoint.pieces import HostBufferPool
 from lightning_moe_ckpt.checkpoint.replication import Replicator
 from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
 from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
-from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, SnapshotEngine
+from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 from lightning_moe_ckpt.targets.base import StepHooks, StepResult, TrainingTarget
 
 if TYPE_CHECKING:
-    from lightning_moe_ckpt.checkpoint.planners import CapturePlan, Planner
+    from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan, Planner
 
 
 class CheckpointCoordinator(StepHooks):
@@ -171,7 +172,7 @@ class CheckpointCoordinator(StepHooks):
         """Dense snapshot of the current state as a window of one (the initial state, or
         the state right after a recovery), so a recovery point exists until the next
         window persists."""
-        from lightning_moe_ckpt.checkpoint.planners import CapturePlan
+        from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
 
         step = self.target.step - 1
         names = tuple(self.target.registry.names)

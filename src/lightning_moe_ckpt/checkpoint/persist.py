@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from lightning_moe_ckpt.checkpoint.codec import encode_snapshot
-from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
+from lightning_moe_ckpt.checkpoint.pieces import Snapshot
 
 
 class DiskPersister:

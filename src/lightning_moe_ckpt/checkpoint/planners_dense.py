@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from typing_extensions import override
 
-from lightning_moe_ckpt.checkpoint.planners import BasePlanner, CapturePlan
+from lightning_moe_ckpt.checkpoint.planner_base import BasePlanner, CapturePlan
 from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
 from lightning_moe_ckpt.ettr_formulas import ettr_formula, smallest_interval_within

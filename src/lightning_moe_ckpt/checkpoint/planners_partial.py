@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_moe_ckpt.checkpoint.planners import BasePlanner, CapturePlan, expert_layout
+from lightning_moe_ckpt.checkpoint.planner_base import BasePlanner, CapturePlan, expert_layout
 from lightning_moe_ckpt.checkpoint.popularity import HostMirror, expert_name
 from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec, expert_position
 from lightning_moe_ckpt.errors import fmt, require

@@ -20,6 +20,9 @@ import torch
 
 from lightning_moe_ckpt.errors import fmt, require
 
+# The copy size the planner's bandwidth is measured with (and the stage profile's).
+BANDWIDTH_PROBE_BYTES = 32 * 2**20
+
 
 @dataclass(frozen=True)
 class Profile:

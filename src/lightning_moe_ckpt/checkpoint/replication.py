@@ -2,7 +2,7 @@
 
 Placement is deterministic and recorded: rank ``i`` replicates to the next ranks in ring
 order, ranks on other nodes first (a node failure takes its local replicas with it), at
-most ``world - 1`` peers. Transfers use point-to-point ``isend``/``irecv`` on a dedicated
+most ``world - 1`` peers. Transfers use point-to-point sends and receives on a dedicated
 gloo process group (host tensors; never interleaved with training collectives) from a
 background thread. Every rank takes snapshots at the same steps, so every rank's thread
 processes the same sequence and sends match receives. A snapshot counts as replicated
@@ -15,7 +15,8 @@ the source's death too. Each snapshot goes out as a handle to every peer first (
 payload's length, and for a mapping peer where to find it); then the copying peers receive
 the bytes while the mapping peers, having mapped the slot, acknowledge it.
 
-Peers keep the serialized snapshots of each source rank (encoded piece by piece, see
+Peers keep the serialized snapshots of each source rank in a
+:class:`~.replica_store.ReplicaStore` (encoded piece by piece, see
 :mod:`~lightning_moe_ckpt.checkpoint.codec`); :func:`decode_snapshot` restores one and
 checks every piece's checksum, and :func:`verify_window` refuses a window with a
 missing or corrupt piece, naming rank, operator and iteration.
@@ -26,9 +27,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +38,8 @@ from lightning_moe_ckpt.checkpoint.codec import (
     decode_snapshot,
     encode_snapshot,
 )
+from lightning_moe_ckpt.checkpoint.pieces import Snapshot
+from lightning_moe_ckpt.checkpoint.replica_store import ReplicaStore
 from lightning_moe_ckpt.checkpoint.shared_slots import (
     SharedSlot,
     SlotHandle,
@@ -48,9 +49,8 @@ from lightning_moe_ckpt.checkpoint.shared_slots import (
     slot_key,
 )
 from lightning_moe_ckpt.checkpoint.slot_placement import SlotPlacement, encode_in_slot
-from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
 
-__all__ = ["CorruptCheckpointError", "ReplicaStore", "Replicator", "decode_snapshot",
+__all__ = ["CorruptCheckpointError", "Replicator", "decode_snapshot",
            "encode_snapshot", "replica_peers", "verify_window"]
 
 
@@ -77,76 +77,6 @@ def verify_window(snapshots: dict[int, dict[str, Any]], rank: int, window_start:
                 raise CorruptCheckpointError(
                     f"checkpoint piece of rank {rank}, operator {operator!r}, iteration "
                     f"{step} is missing")
-
-
-_SPARE_BUFFERS = 4  # receive buffers kept per payload size for reuse
-
-
-@dataclass
-class ReplicaStore:
-    """Serialized snapshots this rank holds for its source ranks, two windows each.
-
-    Payloads of dropped windows become receive buffers for the next ones (by size): a
-    snapshot of the same plan shape has the same size, so steady-state replication
-    allocates, and faults in, no new host memory."""
-
-    windows: dict[int, dict[int, dict[int, torch.Tensor]]] = field(
-        default_factory=lambda: defaultdict(dict))  # source -> window start -> step -> bytes
-    spare: dict[int, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
-    # Snapshots held as a mapping of the source's shared memory, by (source, start, step):
-    # the slot they lie in. Never written to, never reused as a receive buffer.
-    mapped: dict[tuple[int, int, int], tuple[int, int, int]] = field(default_factory=dict)
-
-    def put(self, source: int, window_start: int, step: int, data: torch.Tensor,
-            slot: tuple[int, int, int] | None = None) -> None:
-        """Keep a received snapshot (``slot``: a mapping of the source's slot, not a copy);
-        drop that source's windows older than the previous."""
-        held = self.windows[source]
-        held.setdefault(window_start, {})[step] = data
-        if slot is not None:
-            self.mapped[(source, window_start, step)] = slot
-        else:
-            self.mapped.pop((source, window_start, step), None)
-        starts = sorted(held)
-        for start in starts[:-2]:
-            for dropped_step, payload in held.pop(start).items():
-                if self.mapped.pop((source, start, dropped_step), None) is not None:
-                    continue
-                spare = self.spare[payload.numel()]
-                if len(spare) < _SPARE_BUFFERS:
-                    spare.append(payload)
-
-    def mapped_slots(self) -> set[tuple[int, int, int]]:
-        """The source slots the held snapshots lie in."""
-        return set(self.mapped.values())
-
-    def clear(self) -> None:
-        """Drop everything held for every source (a dead worker's host memory)."""
-        self.windows.clear()
-        self.spare.clear()
-        self.mapped.clear()
-
-    def buffer(self, size: int) -> torch.Tensor:
-        """A host buffer of ``size`` bytes to receive a payload into."""
-        spare = self.spare.get(size)
-        return spare.pop() if spare else torch.empty(size, dtype=torch.uint8)
-
-    def window(self, source: int, window_start: int) -> dict[int, torch.Tensor]:
-        """The serialized snapshots of one window of ``source`` (empty when not held)."""
-        return dict(self.windows.get(source, {}).get(window_start, {}))
-
-    def nbytes(self) -> int:
-        """Bytes this rank holds for all sources, spare receive buffers included (mapped
-        snapshots are the sources' memory: :meth:`mapped_nbytes`)."""
-        return (sum(t.numel() for source, held in self.windows.items()
-                    for start, steps in held.items() for step, t in steps.items()
-                    if (source, start, step) not in self.mapped)
-                + sum(t.numel() for spare in self.spare.values() for t in spare))
-
-    def mapped_nbytes(self) -> int:
-        """Bytes of snapshots held as mappings of the sources' shared memory."""
-        return sum(self.windows[source][start][step].numel()
-                   for source, start, step in self.mapped)
 
 
 class Replicator:

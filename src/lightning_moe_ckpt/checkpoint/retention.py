@@ -32,8 +32,8 @@ import torch
 from typing_extensions import override
 
 from lightning_moe_ckpt.checkpoint.codec import snapshot_header, split_pieces
-from lightning_moe_ckpt.checkpoint.replication import ReplicaStore
-from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, Snapshot
+from lightning_moe_ckpt.checkpoint.pieces import HostBufferPool, Snapshot
+from lightning_moe_ckpt.checkpoint.replica_store import ReplicaStore
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 
 

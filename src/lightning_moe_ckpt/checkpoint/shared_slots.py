@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from lightning_moe_ckpt.checkpoint.snapshot import CopyList, PieceBuffers
+    from lightning_moe_ckpt.checkpoint.pieces import PieceBuffers
+    from lightning_moe_ckpt.checkpoint.snapshot import CopyList
 
 # ``checkpoint.same_node_replicas``: a same-node peer maps the snapshot, or copies it.
 SAME_NODE_REPLICAS = ("shared", "copied")

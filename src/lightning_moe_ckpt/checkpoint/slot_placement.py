@@ -33,8 +33,9 @@ from lightning_moe_ckpt.checkpoint.codec import (
     encode_around_pieces,
     encode_snapshot_into,
 )
+from lightning_moe_ckpt.checkpoint.pieces import PieceBuffers, Snapshot
 from lightning_moe_ckpt.checkpoint.shared_slots import SharedSlot, SlotRing
-from lightning_moe_ckpt.checkpoint.snapshot import CopyList, PieceBuffers, Snapshot
+from lightning_moe_ckpt.checkpoint.snapshot import CopyList
 
 # Room kept behind the pieces for the header (metadata, RNG states, the piece index: about
 # 16 KiB for the built-in model); a larger one is encoded by a copy into another slot, and

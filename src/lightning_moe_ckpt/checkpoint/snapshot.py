@@ -27,7 +27,8 @@ issue, in order with the training thread (on CPU there, on CUDA on its current s
 before the side stream starts). They are small (a vector per router or norm), so this
 costs the training thread next to nothing.
 
-Host buffers come from a pool keyed by (tensor name, shape, dtype): buffers of a freed
+Host buffers come from a pool (:class:`~.pieces.HostBufferPool`) keyed by
+(tensor name, shape, dtype): buffers of a freed
 snapshot are reused by the next one with the same layout, so steady-state training
 allocates nothing. Every piece gets a CRC32C checksum (the SSE4.2/ARMv8 instruction through
 the ``crc32c`` package), computed after its copy completed (off the critical path: by the
@@ -41,221 +42,29 @@ import queue
 import random
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from lightning_moe_ckpt.checkpoint import copy_batches
-from lightning_moe_ckpt.checkpoint.checksum import (
-    ChecksumThreads,
-    names_checksum,
-    raw_bytes,
-    tensor_checksum,
-    tensor_views,
-    views_checksum,
+from lightning_moe_ckpt.checkpoint.checksum import ChecksumThreads, tensor_views
+from lightning_moe_ckpt.checkpoint.pieces import (
+    HostBufferPool,
+    PieceKind,
+    PieceLayout,
+    Snapshot,
+    SnapshotPiece,
 )
 from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess, StateFingerprint
 
 if TYPE_CHECKING:
-    from lightning_moe_ckpt.checkpoint.planners import CapturePlan
-    from lightning_moe_ckpt.checkpoint.slot_placement import SlotBacking, SlotPlacement
-
-PieceKind = Literal["master", "compute"]
-
-
-@dataclass(frozen=True)
-class PieceLayout:
-    """What a piece of one operator copies: its live sources in name order (the order the
-    checksum reads them) and the names, shapes and dtypes its host buffers must have."""
-
-    operator: str
-    kind: PieceKind
-    names: tuple[str, ...]
-    sources: tuple[torch.Tensor, ...]
-    key: tuple[Any, ...]  # pool key: (name, shape, dtype) per tensor
-    nbytes: int
-    # Sources a forward may change before the next optimizer step (module buffers):
-    # copied at issue, not behind the next iteration.
-    at_issue: frozenset[str] = frozenset()
-
-    @classmethod
-    def of(cls, operator: str, kind: PieceKind, sources: Mapping[str, torch.Tensor],
-           at_issue: Iterable[str] = ()) -> PieceLayout:
-        """The layout of ``sources`` (any order) for ``operator``; ``at_issue`` names the
-        sources to copy at issue."""
-        names = tuple(sorted(sources))
-        ordered = tuple(sources[name] for name in names)
-        key = tuple((n, tuple(t.shape), t.dtype) for n, t in zip(names, ordered, strict=True))
-        return cls(operator, kind, names, ordered, key,
-                   sum(t.numel() * t.element_size() for t in ordered), frozenset(at_issue))
-
-    @property
-    def behind_sources(self) -> tuple[torch.Tensor, ...]:
-        """The sources copied behind the next iteration, in name order."""
-        return tuple(t for n, t in zip(self.names, self.sources, strict=True)
-                     if n not in self.at_issue)
-
-    @property
-    def at_issue_sources(self) -> tuple[torch.Tensor, ...]:
-        """The sources copied at issue, in name order."""
-        return tuple(t for n, t in zip(self.names, self.sources, strict=True)
-                     if n in self.at_issue)
-
-
-@dataclass(frozen=True)
-class PieceBuffers:
-    """Host buffers for one piece layout, allocated once and reused through the pool.
-
-    The buffers are views into one block, back to back in name order, whenever each
-    tensor's offset is a multiple of its element size (mixed dtypes may forbid it): the
-    block's bytes are then exactly what :func:`tensor_checksum` reads after the names, so
-    checksumming the piece is one C call that releases the GIL, instead of a Python loop
-    over tensors that would hold it against the training thread.
-    """
-
-    key: tuple[Any, ...]
-    tensors: dict[str, torch.Tensor]
-    raw: tuple[memoryview, ...]  # what the checksum reads after the names, in order
-    names_crc: int
-    behind: tuple[torch.Tensor, ...]  # targets of the layout's behind_sources, in order
-    at_issue: tuple[torch.Tensor, ...]  # targets of its at_issue_sources, in order
-    block: torch.Tensor | None = None  # the one uint8 block ``raw`` reads, when packed
-
-    @staticmethod
-    def packed_size(layout: PieceLayout) -> int | None:
-        """Bytes of one block holding ``layout``'s tensors back to back in name order, or
-        None when some tensor's offset in it would not be a multiple of its element size."""
-        offset = 0
-        for source in layout.sources:
-            if offset % source.element_size():
-                return None
-            offset += source.numel() * source.element_size()
-        return offset
-
-    @classmethod
-    def allocate(cls, layout: PieceLayout, pin_memory: bool) -> PieceBuffers:
-        """Fresh buffers shaped like ``layout``'s sources."""
-        size = cls.packed_size(layout)
-        if size is not None:
-            return cls.over(layout, torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory))
-        tensors = {name: torch.empty(s.shape, dtype=s.dtype, pin_memory=pin_memory)
-                   for name, s in zip(layout.names, layout.sources, strict=True)}
-        return cls._of(layout, tensors, tuple(raw_bytes(t) for t in tensors.values()), None)
-
-    @classmethod
-    def over(cls, layout: PieceLayout, block: torch.Tensor) -> PieceBuffers:
-        """Buffers of a packable ``layout`` (:meth:`packed_size`) as views into ``block``
-        (uint8, that many bytes, 64-byte aligned: memory someone else provides)."""
-        tensors, offset = {}, 0
-        for name, source in zip(layout.names, layout.sources, strict=True):
-            end = offset + source.numel() * source.element_size()
-            tensors[name] = block[offset:end].view(source.dtype).view(source.shape)
-            offset = end
-        return cls._of(layout, tensors, (raw_bytes(block),), block)
-
-    @classmethod
-    def _of(cls, layout: PieceLayout, tensors: dict[str, torch.Tensor],
-            raw: tuple[memoryview, ...], block: torch.Tensor | None) -> PieceBuffers:
-        return cls(layout.key, tensors, raw, names_checksum(layout.names),
-                   tuple(tensors[n] for n in layout.names if n not in layout.at_issue),
-                   tuple(tensors[n] for n in layout.names if n in layout.at_issue), block)
-
-    @property
-    def checksum_views(self) -> tuple[tuple[memoryview, ...], int]:
-        """What :func:`tensor_checksum` of :attr:`tensors` reads: the prepared views, and
-        the names' checksum they continue from (the shape of :func:`tensor_views`)."""
-        return self.raw, self.names_crc
-
-    def checksum(self) -> int:
-        """:func:`tensor_checksum` of :attr:`tensors`, from the prepared views."""
-        return views_checksum(*self.checksum_views)
-
-
-@dataclass
-class SnapshotPiece:
-    """One operator's captured state in one snapshot."""
-
-    operator: str
-    kind: PieceKind
-    tensors: dict[str, torch.Tensor]  # "<param>" (compute) or "<param>/<field>" (master)
-    checksum: int | None = None
-    buffers: PieceBuffers | None = None  # pooled host buffers (the engine's pieces)
-
-    @cached_property
-    def nbytes(self) -> int:
-        """Bytes held by this piece (its tensors never change: computed once, since the
-        store sums them every iteration)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    def verify(self) -> bool:
-        """Whether the stored checksum matches the bytes."""
-        return self.checksum is not None and tensor_checksum(self.tensors) == self.checksum
-
-
-@dataclass
-class Snapshot:
-    """SS_t of one rank: its pieces plus the metadata replay needs."""
-
-    step: int
-    rank: int
-    plan: CapturePlan
-    pieces: dict[str, SnapshotPiece]
-    metadata: dict[str, Any]
-    copied: threading.Event = field(default_factory=threading.Event)
-    checksummed: threading.Event = field(default_factory=threading.Event)
-    backing: SlotBacking | None = None  # the shared slot its pieces lie in, when placed
-    _nbytes: int | None = field(default=None, repr=False)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of tensor data in this snapshot (summed once: the store and the engine
-        read it every iteration)."""
-        if self._nbytes is None:
-            self._nbytes = sum(piece.nbytes for piece in self.pieces.values())
-        return self._nbytes
-
-    def take_pieces(self) -> dict[str, SnapshotPiece]:
-        """Hand the pieces over; the snapshot holds none from then on."""
-        pieces, self.pieces, self._nbytes = self.pieces, {}, 0
-        return pieces
-
-
-class HostBufferPool:
-    """Reusable host buffers (pinned on CUDA machines), a set per piece layout."""
-
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory
-        self._free: dict[tuple[Any, ...], list[PieceBuffers]] = defaultdict(list)
-        self.allocated_bytes = 0
-        self.allocations = 0
-
-    def acquire(self, layout: PieceLayout) -> PieceBuffers:
-        """Host buffers for ``layout`` (reused when a set is free)."""
-        free = self._free.get(layout.key)
-        if free:
-            return free.pop()
-        self.allocations += 1
-        self.allocated_bytes += layout.nbytes
-        return PieceBuffers.allocate(layout, self.pin_memory)
-
-    def release(self, snapshot: Snapshot) -> None:
-        """Return a snapshot's buffers to the pool (pieces made elsewhere, e.g. decoded
-        from a peer, own no pooled buffers and are simply dropped; a snapshot placed in a
-        shared slot hands the slot back instead)."""
-        pieces = snapshot.take_pieces()
-        if snapshot.backing is not None:
-            if pieces:  # once: the slot may hold another snapshot after that
-                snapshot.backing.release()
-            return
-        for piece in pieces.values():
-            if piece.buffers is not None:
-                self._free[piece.buffers.key].append(piece.buffers)
+    from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
+    from lightning_moe_ckpt.checkpoint.slot_placement import SlotPlacement
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lightning_moe_ckpt.checkpoint.snapshot import HostBufferPool, Snapshot
+from lightning_moe_ckpt.checkpoint.pieces import HostBufferPool, Snapshot
 
 
 @dataclass

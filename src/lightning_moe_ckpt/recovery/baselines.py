@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_moe_ckpt.checkpoint.codec import CorruptCheckpointError, decode_snapshot
-from lightning_moe_ckpt.checkpoint.planners import BasePlanner
+from lightning_moe_ckpt.checkpoint.planner_base import BasePlanner
 from lightning_moe_ckpt.checkpoint.planners_dense import CheckFreqPlanner, GeminiPlanner
 from lightning_moe_ckpt.recovery.global_rollback import global_rollback
 from lightning_moe_ckpt.recovery.partial_restore import partial_restore

@@ -46,10 +46,10 @@ from lightning_moe_ckpt.checkpoint.codec import (
     decode_snapshot,
     split_pieces,
 )
+from lightning_moe_ckpt.checkpoint.pieces import SnapshotPiece
 from lightning_moe_ckpt.checkpoint.replication import replica_peers
 from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
 from lightning_moe_ckpt.checkpoint.schedule import expert_position
-from lightning_moe_ckpt.checkpoint.snapshot import SnapshotPiece
 from lightning_moe_ckpt.recovery.protocol import CheckpointSide
 from lightning_moe_ckpt.recovery.replay import (
     RecoveryReport,

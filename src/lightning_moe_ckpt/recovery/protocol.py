@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from lightning_moe_ckpt.checkpoint.persist import DiskPersister
-    from lightning_moe_ckpt.checkpoint.planners import BasePlanner
+    from lightning_moe_ckpt.checkpoint.planner_base import BasePlanner
     from lightning_moe_ckpt.checkpoint.replication import Replicator
     from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
     from lightning_moe_ckpt.checkpoint.store import SnapshotStore

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_moe_ckpt.checkpoint.codec import CorruptCheckpointError
-from lightning_moe_ckpt.checkpoint.snapshot import Snapshot
+from lightning_moe_ckpt.checkpoint.pieces import Snapshot
 from lightning_moe_ckpt.targets.base import TrainingTarget
 
 if TYPE_CHECKING:

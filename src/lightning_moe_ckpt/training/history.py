@@ -10,10 +10,12 @@ holds a few bytes per step rather than a tensor object per step and series (abou
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from array import array
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -60,6 +62,18 @@ class ValidationRecord:
     perplexity: float
 
 
+MEMORY_EVERY = 100  # steps between samples of host memory (a /proc read: negligible)
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (0 where ``/proc`` is missing)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 @dataclass
 class TrainingHistory:
     """Everything the end-of-run report needs."""
@@ -86,6 +100,16 @@ class TrainingHistory:
         if self._cpu_started is not None:
             self.iteration_cpu_seconds.append(cpu - self._cpu_started)
         self._cpu_started = cpu
+
+    def memory_due(self, step: int, max_steps: int) -> bool:
+        """Whether to sample host memory after ``step`` (every :data:`MEMORY_EVERY` steps
+        and at the end)."""
+        return step % MEMORY_EVERY == 0 or step == max_steps
+
+    def sample_memory(self, step: int, checkpoint_host_bytes: int) -> None:
+        """Record this process's RSS and the host bytes checkpointing holds after ``step``."""
+        self.memory.append({"step": step, "rss_bytes": resident_bytes(),
+                            "checkpoint_host_bytes": checkpoint_host_bytes})
 
     def median_cpu_ms(self) -> float | None:
         """This process's median CPU milliseconds per iteration (None: under two

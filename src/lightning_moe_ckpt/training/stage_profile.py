@@ -29,14 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_moe_ckpt.checkpoint.profiler import measure_bandwidth
+from lightning_moe_ckpt.checkpoint.profiler import BANDWIDTH_PROBE_BYTES, measure_bandwidth
 from lightning_moe_ckpt.errors import fmt, require
 from lightning_moe_ckpt.models.transformer import MoETransformer
 from lightning_moe_ckpt.parallel.partition import StageModule
 from lightning_moe_ckpt.training.core import build_model, build_optimizer, language_model_loss
 from lightning_moe_ckpt.training.settings import RunSettings
-
-_BANDWIDTH_PROBE_BYTES = 32 * 2**20  # the probe size SparseCheckpointing profiles with
 
 
 @dataclass(frozen=True)
@@ -133,7 +131,7 @@ def measure_compute(settings: RunSettings, warmup: int = 2, repeats: int = 5,
         share = max(_rank_numel(modules, plan.ep) for modules in ranks) / total
         optimizer_s = share * _time_optimizer(model, settings, inputs, targets, device,
                                               warmup, repeats)
-        bandwidth = measure_bandwidth(_BANDWIDTH_PROBE_BYTES, device)
+        bandwidth = measure_bandwidth(BANDWIDTH_PROBE_BYTES, device)
     return ComputeProfile(stages, optimizer_s, bandwidth, sequences, threads)
 
 
