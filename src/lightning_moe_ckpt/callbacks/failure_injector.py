@@ -155,7 +155,7 @@ class FailureInjector(L.Callback, StepHooks):
         recovering = time.perf_counter()  # failure handled, state lost: recovery begins
         outcome = recover(RecoveryRequest(step, tuple(failed), cascade), coordinator,
                           self.checkpointing.upstream_log,
-                          DurableFallback(self.trainer, tuple(self.checkpointing.durable_saved)))
+                          DurableFallback(self.trainer, tuple(self.checkpointing.durable.saved)))
         summary = self._agree_on_summary(outcome.report)
         timings = {"detect": recovering - detected, **summary["timings_s"],
                    "total": time.perf_counter() - detected}

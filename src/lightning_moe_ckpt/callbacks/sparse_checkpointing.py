@@ -37,6 +37,7 @@ import torch
 from lightning.fabric.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightning_moe_ckpt.callbacks.durable_checkpoints import DurableCheckpoints
 from lightning_moe_ckpt.callbacks.planner_profiling import PlannerProfiling
 from lightning_moe_ckpt.checkpoint.agreement import LargestAcrossRanks
 from lightning_moe_ckpt.checkpoint.checksum import require_checksum_threads
@@ -117,22 +118,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         require(same_node_replicas in SAME_NODE_REPLICAS,
                 f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
                 f"{', '.join(map(repr, SAME_NODE_REPLICAS))}")
-        require(durable_every is None or (isinstance(durable_every, int) and durable_every >= 1),
-                f"{fmt('checkpoint.durable_every', durable_every)} must be an integer >= 1 "
-                "(or null: no durable checkpoints)")
-        require(durable_every is None or durable_dir is not None,
-                f"checkpoint.durable_every={durable_every} needs checkpoint.durable_dir")
-        require(isinstance(durable_keep, int) and not isinstance(durable_keep, bool)
-                and durable_keep >= 1,
-                f"{fmt('checkpoint.durable_keep', durable_keep)} must be an integer >= 1 "
-                "(2 or more keeps a complete checkpoint while the next one is written)")
-        self.durable_every = durable_every
-        self.durable_dir = durable_dir
-        self.durable_keep = durable_keep
-        self.durable_saved: list[str] = []
-        self._persisted_seen: int | None = None
-        self._persisted_count = 0
-        self._first_step = 0  # windows starting before it are the initial-state snapshot
+        self.durable = DurableCheckpoints(durable_every, durable_dir, durable_keep)
         self.policy = policy
         self.replicas = replicas
         self.same_node_replicas = same_node_replicas
@@ -201,11 +187,11 @@ class SparseCheckpointing(L.Callback, StepHooks):
             self._pending_state = None
         # The state before the next step, kept (and replicated) as the first checkpoint.
         before = target.step - 1
-        self._first_step = target.step
+        self.durable.start_at(target.step)
         initial = CapturePlan(before, tuple(registry.names), (), before, 0, 1, None)
         persist_dir = None
         if self.policy == "checkfreq":  # CheckFreq persists its dense snapshots to disk
-            persist_dir = f"{self.durable_dir or 'checkfreq'}/checkfreq/rank{rank:05d}"
+            persist_dir = f"{self.durable.directory or 'checkfreq'}/checkfreq/rank{rank:05d}"
         self.target = target
         self.coordinator = CheckpointCoordinator(
             target, planner, rank, world_size, self.replicas, ranks_per_node, device,
@@ -288,7 +274,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         figures["routing_telemetry"] = target.routing_source
         if target.batch_log is not None:
             figures["batch_log_bytes_peak"] = target.batch_log.peak_bytes
-        figures["durable_checkpoints"] = list(self.durable_saved)
+        figures["durable_checkpoints"] = list(self.durable.saved)
         figures["upstream_log_bytes_peak"] = self._upstream_log_peak
         return figures
 
@@ -361,17 +347,6 @@ class SparseCheckpointing(L.Callback, StepHooks):
         if isinstance(self.target, LightningTarget):
             self.target.start_iteration(batch, batch_idx)
 
-    def durable_due(self) -> bool:
-        """Whether a window persisted since the last call and it is the durable_every-th."""
-        if self.durable_every is None or self.coordinator is None:
-            return False
-        persisted = self.coordinator.store.persisted_start
-        if persisted is None or persisted == self._persisted_seen or persisted < self._first_step:
-            return False
-        self._persisted_seen = persisted
-        self._persisted_count += 1
-        return self._persisted_count % self.durable_every == 0
-
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -382,25 +357,9 @@ class SparseCheckpointing(L.Callback, StepHooks):
             values = self.step_values()
             if values:
                 pl_module.log_dict(values, rank_zero_only=True)
-        if self.durable_due():
-            # The live state at the step the window persisted: the dense checkpoint that
-            # converting the window and replaying up to this step would produce. Lightning's
-            # checkpoint IO writes it (asynchronously with AsyncCheckpointIO).
-            assert self.durable_dir is not None
-            path = f"{self.durable_dir}/step={trainer.global_step}.ckpt"
-            trainer.save_checkpoint(path)
-            self.durable_saved.append(path)
-            self._drop_old_durable(trainer)
-
-    def _drop_old_durable(self, trainer: L.Trainer) -> None:
-        """Delete all but the newest ``durable_keep`` durable checkpoints of this run.
-
-        The checkpoint IO writes in submission order (``AsyncCheckpointIO`` has one writer
-        thread), so with ``durable_keep >= 2`` the newest completed checkpoint is never the
-        one deleted, whatever the newest's write is doing."""
-        while len(self.durable_saved) > self.durable_keep:
-            oldest = self.durable_saved.pop(0)
-            trainer.strategy.remove_checkpoint(oldest)
+        if self.coordinator is not None and self.durable.due(
+                self.coordinator.store.persisted_start):
+            self.durable.write(trainer)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
