@@ -14,12 +14,12 @@ from omegaconf import OmegaConf
 from lightning_moe_ckpt.checkpoint import slot_placement
 from lightning_moe_ckpt.checkpoint.checksum import bytes_checksum, raw_bytes
 from lightning_moe_ckpt.checkpoint.codec import (
-    PIECE_ALIGNMENT,
     CorruptCheckpointError,
     decode_snapshot,
     encode_snapshot,
     snapshot_header,
 )
+from lightning_moe_ckpt.checkpoint.piece_blob import PIECE_ALIGNMENT
 from lightning_moe_ckpt.checkpoint.pieces import HostBufferPool, Snapshot
 from lightning_moe_ckpt.checkpoint.replica_store import ReplicaStore
 from lightning_moe_ckpt.checkpoint.shared_slots import SlotRing

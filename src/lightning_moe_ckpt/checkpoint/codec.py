@@ -3,16 +3,15 @@
 An encoded snapshot is ``MAGIC``, then one blob per piece, then a header (pickled: step,
 rank, window, metadata and, per piece, its kind, checksum and byte range; a ``torch.save``
 of it behind the earlier magic, still read), then the header's length as 8 little-endian
-bytes. A piece's blob is its layout (tensor names,
-dtypes and shapes, pickled, behind its length) and then the tensors' raw bytes back to
-back in name order: encoding is one copy of the bytes, where a ``torch.save`` per piece
-(still read, from older encodings: the header says which) cost a zip archive each and
-dominated the replication thread's time. Because the
-pieces are separate blobs and the header comes with byte ranges, a replica peer can list
-the operators a snapshot holds (:func:`snapshot_header`) and cut pieces out of it
-(:func:`extract_pieces`, :func:`split_pieces`) without deserialising any tensor: that is
-what lets the partial baselines keep each operator's newest save after its snapshot's
-window was dropped.
+bytes. A piece's blob is its layout (tensor names, dtypes and shapes, pickled, behind its
+length) and then the tensors' raw bytes back to back in name order (:mod:`.piece_blob`):
+encoding is one copy of the bytes, where a ``torch.save`` per piece (still read, from
+older encodings: the header says which) cost a zip archive each and dominated the
+replication thread's time. Because the pieces are separate blobs and the header comes
+with byte ranges, a replica peer can list the operators a snapshot holds
+(:func:`snapshot_header`) and cut pieces out of it (:func:`extract_pieces`,
+:func:`split_pieces`) without deserialising any tensor: that is what lets the partial
+baselines keep each operator's newest save after its snapshot's window was dropped.
 Each piece carries two checksums: ``checksum``, over its tensors (computed where the copy
 was made, it travels with the piece through every encoding), and ``frame_checksum``, over
 its encoded bytes (so a flipped bit outside the tensor data, in a name, a shape or the
@@ -24,18 +23,16 @@ single-``torch.save`` encoding.
 shared-memory slot that same-node replica peers map, :mod:`.shared_slots`): the piece
 bytes are copied by torch, which releases the GIL, so the training thread keeps running.
 :func:`encode_around_pieces` writes no piece bytes at all: the snapshot was copied into
-the slot at the places :func:`aligned_layout_head` leaves for them, and only the framing
-goes around them.
+the slot at the places :func:`~.piece_blob.aligned_layout_head` leaves for them, and only
+the framing goes around them.
 """
 
 from __future__ import annotations
 
-import functools
 import io
-import math
 import pickle
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -43,8 +40,13 @@ import torch
 from lightning_moe_ckpt.checkpoint.checksum import (
     bytes_checksum,
     raw_bytes,
-    reseed_checksum,
     tensor_checksum,
+)
+from lightning_moe_ckpt.checkpoint.piece_blob import (
+    frame_checksum,
+    layout_head,
+    pooled_layout_head,
+    read_piece,
 )
 from lightning_moe_ckpt.checkpoint.pieces import Snapshot
 
@@ -54,7 +56,6 @@ MAGIC = b"MOESNAP3"
 _TORCH_HEADER_MAGIC = b"MOESNAP2"
 _LENGTH = struct.Struct("<Q")
 HEADER_LENGTH_BYTES = _LENGTH.size  # the header's length, the encoding's last bytes
-_LAYOUT_LENGTH = struct.Struct("<I")
 RAW_PIECES = "raw"  # the header's ``piece_format``: layout + raw bytes (absent: torch.save)
 _HEADER_GUESS = 1 << 16  # room left for the header when encoding into given memory
 
@@ -78,8 +79,8 @@ def _snapshot_payload(snapshot: Snapshot) -> dict[str, Any]:
                           "raw": None if piece.buffers is None else piece.buffers.raw,
                           "block": None if piece.buffers is None else piece.buffers.block,
                           "names_crc": None if piece.buffers is None else piece.buffers.names_crc,
-                          "head": (_layout_head(piece.tensors) if piece.buffers is None
-                                   else _pooled_layout_head(piece.buffers.key))}
+                          "head": (layout_head(piece.tensors) if piece.buffers is None
+                                   else pooled_layout_head(piece.buffers.key))}
                    for name, piece in snapshot.pieces.items()},
     }
 
@@ -147,7 +148,7 @@ def _write_pieces(writer: io.BytesIO | _MemoryWriter, payload: dict[str, Any]) -
     index: dict[str, dict[str, Any]] = {}
     for name, piece in payload["pieces"].items():
         offset = writer.tell()
-        frame = _write_piece(writer, piece.get("head") or _layout_head(piece["tensors"]), piece)
+        frame = _write_piece(writer, piece.get("head") or layout_head(piece["tensors"]), piece)
         index[name] = {"kind": piece["kind"], "checksum": piece["checksum"],
                        "frame_checksum": frame, "offset": offset,
                        "length": writer.tell() - offset}
@@ -155,54 +156,18 @@ def _write_pieces(writer: io.BytesIO | _MemoryWriter, payload: dict[str, Any]) -
             "piece_format": RAW_PIECES, "pieces": index}
 
 
-@functools.lru_cache(maxsize=4096)
-def _layout_head_of(layout: tuple[tuple[str, str, tuple[int, ...]], ...]) -> bytes:
-    pickled = pickle.dumps(list(layout), protocol=5)
-    return _LAYOUT_LENGTH.pack(len(pickled)) + pickled
-
-
-def _layout_head(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """A piece blob's start: its layout (names, dtypes, shapes in name order), pickled,
-    behind its length (cached: a piece of the same layout recurs every window)."""
-    return _layout_head_of(tuple((name, str(tensors[name].dtype).removeprefix("torch."),
-                                  tuple(tensors[name].shape)) for name in sorted(tensors)))
-
-
-@functools.lru_cache(maxsize=4096)
-def _pooled_layout_head(key: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> bytes:
-    """:func:`_layout_head` of pooled buffers, from their pool key ((name, shape, dtype) in
-    name order): looked up, not rebuilt tensor by tensor, for every snapshot."""
-    return _layout_head_of(tuple((name, str(dtype).removeprefix("torch."), shape)
-                                 for name, shape, dtype in key))
-
-
-PIECE_ALIGNMENT = 64  # where :func:`aligned_layout_head` lets a piece's tensor bytes begin
-
-
-@functools.lru_cache(maxsize=4096)
-def aligned_layout_head(key: tuple[tuple[str, tuple[int, ...], torch.dtype], ...],
-                        offset: int) -> bytes:
-    """The layout head of a pooled piece (:func:`_pooled_layout_head`) whose blob starts at
-    ``offset``, padded so that its tensor bytes start at a multiple of
-    :data:`PIECE_ALIGNMENT`: the length prefix covers the padding, and unpickling the
-    layout ignores the bytes after it, so :func:`decode_snapshot` reads it unchanged."""
-    pickled = _pooled_layout_head(key)[_LAYOUT_LENGTH.size:]
-    unpadded = offset + _LAYOUT_LENGTH.size + len(pickled)
-    padding = -unpadded % PIECE_ALIGNMENT
-    return _LAYOUT_LENGTH.pack(len(pickled) + padding) + pickled + bytes(padding)
-
-
 def encode_around_pieces(snapshot: Snapshot, memory: torch.Tensor,
                          heads: Sequence[tuple[int, bytes]], end: int) -> int | None:
     """Frame a snapshot whose pieces already lie in ``memory`` (uint8): each piece's tensor
     bytes right after the place of its head, ``heads`` giving (offset, head from
-    :func:`aligned_layout_head`) per piece in the snapshot's order, the last piece ending
-    at ``end``. Writes ``MAGIC``, the heads, the header and its length; no piece byte is
-    written, nor read where a piece has its checksum (its frame checksum follows from it;
-    a piece whose copy was cut short has none, and its bytes are read). Returns the
-    encoded length, the same bytes :func:`encode_snapshot` would give but for the heads'
-    padding, or None when the header does not fit behind ``end`` or the snapshot's pieces
-    are not (or no longer, a store let go of them) those ``heads`` frame."""
+    :func:`~.piece_blob.aligned_layout_head`) per piece in the snapshot's order, the last
+    piece ending at ``end``. Writes ``MAGIC``, the heads, the header and its length; no
+    piece byte is written, nor read where a piece has its checksum (its frame checksum
+    follows from it; a piece whose copy was cut short has none, and its bytes are read).
+    Returns the encoded length, the same bytes :func:`encode_snapshot` would give but for
+    the heads' padding, or None when the header does not fit behind ``end`` or the
+    snapshot's pieces are not (or no longer, a store let go of them) those ``heads``
+    frame."""
     pieces = snapshot.pieces  # read once: a store letting go swaps in an empty dict
     if len(pieces) != len(heads):
         return None
@@ -214,7 +179,7 @@ def encode_around_pieces(snapshot: Snapshot, memory: torch.Tensor,
         buffers = piece.buffers
         assert buffers is not None  # placed pieces are views into ``memory``
         index[name] = {"kind": piece.kind, "checksum": piece.checksum,
-                       "frame_checksum": _frame_checksum(head, buffers.raw, piece.checksum,
+                       "frame_checksum": frame_checksum(head, buffers.raw, piece.checksum,
                                                          buffers.names_crc),
                        "offset": offset, "length": len(head) + piece.nbytes}
     encoded = _header_bytes({**_snapshot_fields(snapshot), "piece_format": RAW_PIECES,
@@ -248,45 +213,7 @@ def _write_piece(writer: io.BytesIO | _MemoryWriter, head: bytes, piece: dict[st
     else:
         for data in raw:
             writer.write(data)
-    return _frame_checksum(head, raw, piece["checksum"], piece.get("names_crc"))
-
-
-def _frame_checksum(head: bytes, raw: tuple[memoryview, ...], checksum: int | None,
-                    names_crc: int | None) -> int:
-    """CRC32C of a piece's blob: ``head``, then the tensor bytes ``raw``; derived from the
-    piece's tensor checksum (which starts at ``names_crc``) when it has one."""
-    if checksum is not None and names_crc is not None:
-        return checksum ^ _reseed_term(names_crc, head, sum(map(len, raw)))
-    crc = bytes_checksum(head)
-    for data in raw:
-        crc = bytes_checksum(data, crc)
-    return crc
-
-
-@functools.lru_cache(maxsize=4096)
-def _reseed_term(names_crc: int, head: bytes, length: int) -> int:
-    """What a piece's tensor checksum (from ``names_crc``, over ``length`` bytes) is XORed
-    with to become its blob's checksum behind ``head``: :func:`reseed_checksum` of a zero
-    checksum, since CRC32C is affine in its starting value. The same for every snapshot of
-    a piece layout at the same offset, so it is computed once (a Python polynomial product
-    per piece and snapshot would cost the replication thread about 0.1 ms per snapshot)."""
-    return reseed_checksum(0, names_crc, bytes_checksum(head), length)
-
-
-def _read_piece(blob: memoryview) -> dict[str, torch.Tensor]:
-    """The tensors of a raw piece blob (own memory; the blob's checksum was verified)."""
-    (length,) = _LAYOUT_LENGTH.unpack(blob[:_LAYOUT_LENGTH.size])
-    start = _LAYOUT_LENGTH.size
-    layout = pickle.loads(blob[start:start + length])
-    offset = start + length
-    tensors: dict[str, torch.Tensor] = {}
-    for name, dtype_name, shape in layout:
-        dtype = getattr(torch, dtype_name)
-        nbytes = math.prod(shape) * dtype.itemsize
-        data = torch.frombuffer(blob[offset:offset + nbytes], dtype=torch.uint8)
-        tensors[name] = data.clone().view(dtype).reshape(shape)
-        offset += nbytes
-    return tensors
+    return frame_checksum(head, raw, piece["checksum"], piece.get("names_crc"))
 
 
 class _HeaderPickler(pickle.Pickler):
@@ -406,7 +333,7 @@ def _load_piece(raw: memoryview, entry: dict[str, Any], payload: dict[str, Any],
     if "frame_checksum" in entry and bytes_checksum(blob) != entry["frame_checksum"]:
         raise _corrupt(payload, name)
     try:
-        tensors = (_read_piece(blob) if raw_piece
+        tensors = (read_piece(blob) if raw_piece
                    else torch.load(io.BytesIO(blob), weights_only=False))
     except Exception as error:  # damaged bytes fail in any of unpickling's many ways
         raise _corrupt(payload, name) from error

@@ -29,10 +29,10 @@ import torch
 from lightning_moe_ckpt.checkpoint.codec import (
     HEADER_LENGTH_BYTES,
     MAGIC,
-    aligned_layout_head,
     encode_around_pieces,
     encode_snapshot_into,
 )
+from lightning_moe_ckpt.checkpoint.piece_blob import aligned_layout_head
 from lightning_moe_ckpt.checkpoint.pieces import PieceBuffers, Snapshot
 from lightning_moe_ckpt.checkpoint.shared_slots import SharedSlot, SlotRing
 from lightning_moe_ckpt.checkpoint.snapshot import CopyList
