@@ -6,7 +6,9 @@ corpus and the seekable samplers, and trains with ``api=trainer`` (the Lightning
 layout with more than one process runs under ``MoEParallelStrategy``: on one machine
 Lightning's launcher re-runs the recipe once per extra process; across machines start it
 under torchrun or SLURM. Rank 0 consolidates the state to layout-independent FQNs and
-writes ``final_state.pt``, ``metrics.json`` and the training plot into ``out_dir``.
+writes ``final_state.pt``, ``metrics.json`` and the training plot into ``out_dir``. A job
+with real failures runs its workers under the supervisor
+(:mod:`~lightning_moe_ckpt.training.supervised`).
 """
 
 from __future__ import annotations
