@@ -180,9 +180,8 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
         medians = [runs[policy]["iteration_ms"]["median"] for runs in repeats]
         ratios = [runs[policy]["iteration_ms"]["median"] / runs["none"]["iteration_ms"]["median"]
                   for runs in repeats]
-        cpu = [_cpu_ms(runs[policy]) for runs in repeats]
-        cpu_ratios = [mine / base for mine, base in zip(cpu, (_cpu_ms(r["none"]) for r in repeats),
-                                                         strict=True) if mine and base]
+        cpu, cpu_ratios = _paired_cpu(repeats, policy, "total")
+        thread_cpu, thread_cpu_ratios = _paired_cpu(repeats, policy, "training_thread_total")
         rows.append({
             "policy": policy,
             "interval": metrics.get("interval"),
@@ -191,10 +190,15 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
             "vs_none_runs": ratios,
             # CPU time of every rank's process (all threads) per iteration: the work a
             # policy adds, steadier than wall time where ranks outnumber cores.
-            "cpu_ms_per_iteration": (float(np.median([c for c in cpu if c is not None]))
-                                     if any(c is not None for c in cpu) else None),
+            "cpu_ms_per_iteration": cpu,
             "cpu_vs_none": float(np.median(cpu_ratios)) if cpu_ratios else None,
             "cpu_vs_none_runs": cpu_ratios,
+            # ... and the training threads' own: whether the checkpoint threads beside them
+            # slow their host work down (cores, caches), apart from their own CPU time.
+            "training_thread_cpu_ms_per_iteration": thread_cpu,
+            "training_thread_cpu_vs_none": (float(np.median(thread_cpu_ratios))
+                                            if thread_cpu_ratios else None),
+            "training_thread_cpu_vs_none_runs": thread_cpu_ratios,
             # Rank 0's snapshot copy and replication threads: their own CPU time, which
             # moves far less between runs than whole-process ratios.
             "copy_thread_cpu_ms_per_iter": _thread_cpu_ms(repeats, policy, "copy"),
@@ -240,25 +244,39 @@ def _probe_gbps(metrics: dict[str, Any], kind: str) -> float | None:
     return None if rate is None else float(rate) / 1e9
 
 
-def _cpu_ms(metrics: dict[str, Any]) -> float | None:
-    """A run's CPU milliseconds per iteration, summed over its ranks (None: not measured)."""
-    total = metrics.get("cpu_ms_per_iteration", {}).get("total")
+def _cpu_ms(metrics: dict[str, Any], key: str) -> float | None:
+    """A run's CPU milliseconds per iteration summed over its ranks: all threads
+    (``total``) or the training threads (``training_thread_total``); None: not measured."""
+    total = metrics.get("cpu_ms_per_iteration", {}).get(key)
     return None if total is None else float(total)
+
+
+def _paired_cpu(repeats: list[dict[str, dict[str, Any]]], policy: str,
+                key: str) -> tuple[float | None, list[float]]:
+    """``policy``'s median CPU ms per iteration (:func:`_cpu_ms` ``key``) over the repeats,
+    and its ratio to the ``none`` run of each repeat."""
+    mine = [_cpu_ms(runs[policy], key) for runs in repeats]
+    base = [_cpu_ms(runs["none"], key) for runs in repeats]
+    ratios = [m / b for m, b in zip(mine, base, strict=True) if m and b]
+    measured = [m for m in mine if m is not None]
+    return (float(np.median(measured)) if measured else None), ratios
 
 
 def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The fault-free overhead table."""
     lines = ["| policy | iteration ms (median) | vs none | vs none, per repeat "
-             "| CPU ms/iter (all ranks) | CPU vs none | copy / replication CPU ms/iter (rank 0) "
+             "| CPU ms/iter (all ranks) | CPU vs none | training thread CPU vs none "
+             "| copy / replication CPU ms/iter (rank 0) "
              "| stall ms (total) | overhead % | snapshot MiB/iter | W | k | replicas "
              "| host MiB | copy GB/s (snapshot / probe) | checksum GB/s (probe) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         runs = " ".join(f"{ratio:.3f}" for ratio in row["vs_none_runs"])
         cpu, cpu_ratio = row.get("cpu_ms_per_iteration"), row.get("cpu_vs_none")
         lines.append(f"| {row['policy']} | {row['iteration_ms']:.1f} | {row['vs_none']:.3f} "
                      f"| {runs} | {'-' if cpu is None else f'{cpu:.1f}'} "
                      f"| {'-' if cpu_ratio is None else f'{cpu_ratio:.3f}'} "
+                     f"| {_figure(row.get('training_thread_cpu_vs_none'), digits=3)} "
                      f"| {_thread_cpu(row)} "
                      f"| {row['stall_ms_total']:.1f} | {row['overhead_pct']:.2f} "
                      f"| {row['snapshot_mb_per_iter']:.2f} | {row['window'] or '-'} "

@@ -374,10 +374,9 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
     torch.save(state, out_dir / FINAL_STATE)
     extra: dict[str, Any] = {
         "data": data.corpus.name, "data_fingerprint": data.corpus.fingerprint,
-        # Median CPU ms per iteration of each rank's process, all of its threads.
-        "cpu_ms_per_iteration": {
-            "per_rank": cpu_ms,
-            "total": None if None in cpu_ms else sum(filter(None, cpu_ms))}}
+        # Median CPU ms per iteration of each rank's process (all of its threads) and of
+        # its training thread.
+        "cpu_ms_per_iteration": cpu_ms}
     if checkpointing is not None:
         extra.update(checkpointing.metrics(sum(history.iteration_seconds)))
     if injector is not None:

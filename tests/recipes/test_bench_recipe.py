@@ -49,6 +49,9 @@ def test_quick_bench_reports_measured_and_predicted_ettr_per_policy(
     assert [row["policy"] for row in report["overhead"]] == ["none"]
     (none,) = report["overhead"]
     assert none["cpu_ms_per_iteration"] > 0 and none["cpu_vs_none"] == 1.0
+    # The training thread is one of the process's threads: its CPU is part of the total
+    # (both are medians of clocks read one after the other, so within 1% of it at most).
+    assert 0 < none["training_thread_cpu_ms_per_iteration"] <= 1.01 * none["cpu_ms_per_iteration"]
     rows = {row["policy"]: row for row in report["ettr"]}
     assert tuple(rows) == POLICIES + PEERS
     schedules = {tuple(row["failure_steps"]) for row in rows.values()}
@@ -166,10 +169,13 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
     bench = _bench_module()
 
     def repeat(none_ms: float, moevement_ms: float) -> dict[str, Any]:
-        # CPU time summed over ranks: here twice the wall time (two busy ranks).
+        # CPU time summed over ranks: here twice the wall time (two busy ranks), of which
+        # the training threads take 90 ms with checkpointing and 80 without.
         runs: dict[str, Any] = {label: {"iteration_ms": {"median": ms},
-                                        "cpu_ms_per_iteration": {"total": 2 * ms}}
-                                for label, ms in (("none", none_ms), ("moevement", moevement_ms))}
+                                        "cpu_ms_per_iteration": {"total": 2 * ms,
+                                                                 "training_thread_total": t}}
+                                for label, ms, t in (("none", none_ms, 80.0),
+                                                     ("moevement", moevement_ms, 90.0))}
         runs["moevement"]["checkpoint_thread_cpu_ms_per_iter"] = {
             "copy": moevement_ms / 100, "replication": moevement_ms / 50}
         runs["moevement"].update(snapshot_copy_gbps=12.34,
@@ -185,13 +191,17 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
     assert moevement["iteration_ms"] == 57.2  # median of the runs' medians
     assert moevement["cpu_vs_none"] == pytest.approx(1.02)  # paired the same way
     assert moevement["cpu_ms_per_iteration"] == pytest.approx(114.4)
+    assert moevement["training_thread_cpu_ms_per_iteration"] == pytest.approx(90.0)
+    assert moevement["training_thread_cpu_vs_none_runs"] == pytest.approx([1.125] * 3)
+    assert none["training_thread_cpu_vs_none"] == 1.0
     # Rank 0's checkpoint threads: the median over repeats; none has no such threads.
     assert moevement["copy_thread_cpu_ms_per_iter"] == pytest.approx(0.572)
     assert moevement["replication_thread_cpu_ms_per_iter"] == pytest.approx(1.144)
     assert none["copy_thread_cpu_ms_per_iter"] is None
     table = bench.overhead_markdown(rows)
-    assert table[2].split("|")[7].strip() == "-" and table[3].split("|")[7].strip() == "0.57 / 1.14"
+    assert table[3].split("|")[7].strip() == "1.125"  # training thread CPU vs none
+    assert table[2].split("|")[8].strip() == "-" and table[3].split("|")[8].strip() == "0.57 / 1.14"
     # Snapshot copy bandwidth achieved, beside the copy bandwidth the profile measured.
-    assert table[2].split("|")[15].strip() == "-"
-    assert table[3].split("|")[15].strip() == "12.3 / 25.0"
-    assert table[2].split("|")[16].strip() == "-" and table[3].split("|")[16].strip() == "40.0"
+    assert table[2].split("|")[16].strip() == "-"
+    assert table[3].split("|")[16].strip() == "12.3 / 25.0"
+    assert table[2].split("|")[17].strip() == "-" and table[3].split("|")[17].strip() == "40.0"

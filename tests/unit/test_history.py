@@ -1,8 +1,11 @@
-"""The run history keeps per-step scalars in order without a tensor object per step."""
+"""The run history keeps per-step scalars in order without a tensor object per step, and
+tells the training thread's CPU per iteration from the process's."""
 
 from __future__ import annotations
 
 import gc
+import threading
+import time
 import weakref
 
 import torch
@@ -64,3 +67,33 @@ def test_history_records_every_step_and_sums_dropped_exactly_past_float32() -> N
     assert int(history.dropped_total) == 3 * 2**24 + steps - 3  # float32 would round
     assert history.expert_load_total is not None
     assert torch.equal(history.expert_load_total, torch.full((2, 4), float(steps)))
+    # CPU per iteration, between iteration starts: the process's and its training thread's.
+    assert len(history.iteration_cpu_seconds) == len(history.iteration_thread_cpu_seconds)
+    assert len(history.iteration_cpu_seconds) == steps - 1
+    assert history.median_cpu_ms() is not None
+
+
+def test_cpu_per_iteration_tells_the_training_thread_from_the_process() -> None:
+    """Work on another thread (a checkpoint thread's, here a busy loop) counts in the
+    process's CPU per iteration and not in the training thread's, which only sleeps."""
+    history = TrainingHistory()
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(10_000))
+
+    worker = threading.Thread(target=busy, daemon=True)
+    worker.start()
+    try:
+        for _ in range(4):
+            history.start_iteration()
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+    measured = history.median_cpu_ms()
+    assert measured is not None
+    process_ms, thread_ms = measured
+    assert process_ms > 10.0, measured  # the busy thread ran for much of the 50 ms
+    assert thread_ms < 5.0, measured

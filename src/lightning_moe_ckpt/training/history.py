@@ -90,15 +90,20 @@ class TrainingHistory:
     # spent from one iteration's start to the next's: what a policy costs where cores are
     # shared, a steadier measure than wall time when ranks outnumber them.
     iteration_cpu_seconds: array[float] = field(default_factory=lambda: array("d"))
+    # ... and of those, the training thread's own (the thread that starts iterations): its
+    # host work slows down when checkpoint threads beside it take cores or caches, which
+    # the process total cannot tell from the checkpoint threads' own work.
+    iteration_thread_cpu_seconds: array[float] = field(default_factory=lambda: array("d"))
     _started: float | None = None
-    _cpu_started: float | None = None
+    _cpu_started: tuple[float, float] | None = None  # process, training thread
 
     def start_iteration(self) -> None:
         """Mark the start of an iteration (host clocks only)."""
         self._started = time.perf_counter()
-        cpu = time.process_time()
+        cpu = time.process_time(), time.thread_time()
         if self._cpu_started is not None:
-            self.iteration_cpu_seconds.append(cpu - self._cpu_started)
+            self.iteration_cpu_seconds.append(cpu[0] - self._cpu_started[0])
+            self.iteration_thread_cpu_seconds.append(cpu[1] - self._cpu_started[1])
         self._cpu_started = cpu
 
     def memory_due(self, step: int, max_steps: int) -> bool:
@@ -111,12 +116,13 @@ class TrainingHistory:
         self.memory.append({"step": step, "rss_bytes": resident_bytes(),
                             "checkpoint_host_bytes": checkpoint_host_bytes})
 
-    def median_cpu_ms(self) -> float | None:
-        """This process's median CPU milliseconds per iteration (None: under two
-        iterations)."""
+    def median_cpu_ms(self) -> tuple[float, float] | None:
+        """This process's median CPU milliseconds per iteration, all threads and the
+        training thread's own (None: under two iterations)."""
         if not self.iteration_cpu_seconds:
             return None
-        return statistics.median(self.iteration_cpu_seconds) * 1e3
+        return (statistics.median(self.iteration_cpu_seconds) * 1e3,
+                statistics.median(self.iteration_thread_cpu_seconds) * 1e3)
 
     def record(self, result: IterationResult) -> None:
         """Append one iteration's results."""

@@ -89,15 +89,27 @@ def _concatenated(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return torch.cat(blocks)
 
 
-def gather_cpu_ms(history: TrainingHistory) -> list[float | None]:
-    """Every rank's median CPU milliseconds per iteration, on rank 0 (collective when a
-    process group exists; the other ranks get an empty list)."""
+def gather_cpu_ms(history: TrainingHistory) -> dict[str, Any]:
+    """Every rank's median CPU milliseconds per iteration, all threads (``per_rank``) and
+    the training thread's own (``training_thread_per_rank``), with their sums over the ranks
+    (None when some rank measured none), on rank 0: the ``cpu_ms_per_iteration`` of
+    ``metrics.json``. Collective when a process group exists; the other ranks get ``{}``."""
     mine = history.median_cpu_ms()
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [mine]
-    gathered: list[float | None] = [None] * dist.get_world_size()
-    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
-    return gathered if dist.get_rank() == 0 else []
+        gathered: list[tuple[float, float] | None] = [mine]
+    else:
+        gathered = [None] * dist.get_world_size()
+        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return {}
+    process = [None if g is None else g[0] for g in gathered]
+    thread = [None if g is None else g[1] for g in gathered]
+    return {"per_rank": process, "total": _total(process),
+            "training_thread_per_rank": thread, "training_thread_total": _total(thread)}
+
+
+def _total(per_rank: list[float | None]) -> float | None:
+    return None if None in per_rank else sum(v for v in per_rank if v is not None)
 
 
 def write_metrics(path: Path, settings: RunSettings, history: TrainingHistory,
