@@ -64,6 +64,7 @@ from lightning_moe_ckpt.benchmark import (
     measure_profile,
     simulate_command,
 )
+from lightning_moe_ckpt.benchmark_statistics import median_interval
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.recovery.faults import MtbfSchedule, schedule_from_config
 from lightning_moe_ckpt.sim.measured import loop_seconds, useful_seconds
@@ -188,11 +189,15 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
             "iteration_ms": float(np.median(medians)),
             "vs_none": float(np.median(ratios)),
             "vs_none_runs": ratios,
+            # Where the true median ratio lies with >= 95% confidence (None: too few
+            # repeats, under 6): whether a bound such as 1.03x is shown, missed or unsettled.
+            "vs_none_interval": median_interval(ratios),
             # CPU time of every rank's process (all threads) per iteration: the work a
             # policy adds, steadier than wall time where ranks outnumber cores.
             "cpu_ms_per_iteration": cpu,
             "cpu_vs_none": float(np.median(cpu_ratios)) if cpu_ratios else None,
             "cpu_vs_none_runs": cpu_ratios,
+            "cpu_vs_none_interval": median_interval(cpu_ratios),
             # ... and the training threads' own: whether the checkpoint threads beside them
             # slow their host work down (cores, caches), apart from their own CPU time.
             "training_thread_cpu_ms_per_iteration": thread_cpu,
@@ -265,16 +270,17 @@ def _paired_cpu(repeats: list[dict[str, dict[str, Any]]], policy: str,
 def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The fault-free overhead table."""
     lines = ["| policy | iteration ms (median) | vs none | vs none, per repeat "
-             "| CPU ms/iter (all ranks) | CPU vs none | training thread CPU vs none "
-             "| copy / replication CPU ms/iter (rank 0) "
+             "| vs none, 95% interval | CPU ms/iter (all ranks) | CPU vs none "
+             "| training thread CPU vs none | copy / replication CPU ms/iter (rank 0) "
              "| stall ms (total) | overhead % | snapshot MiB/iter | W | k | replicas "
              "| host MiB | copy GB/s (snapshot / probe) | checksum GB/s (probe) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         runs = " ".join(f"{ratio:.3f}" for ratio in row["vs_none_runs"])
         cpu, cpu_ratio = row.get("cpu_ms_per_iteration"), row.get("cpu_vs_none")
         lines.append(f"| {row['policy']} | {row['iteration_ms']:.1f} | {row['vs_none']:.3f} "
-                     f"| {runs} | {'-' if cpu is None else f'{cpu:.1f}'} "
+                     f"| {runs} | {_interval(row['vs_none_interval'])} "
+                     f"| {'-' if cpu is None else f'{cpu:.1f}'} "
                      f"| {'-' if cpu_ratio is None else f'{cpu_ratio:.3f}'} "
                      f"| {_figure(row.get('training_thread_cpu_vs_none'), digits=3)} "
                      f"| {_thread_cpu(row)} "
@@ -284,6 +290,11 @@ def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
                      f"| {row['host_mb']:.1f} | {_copy_gbps(row)} "
                      f"| {_figure(row.get('checksum_probe_gbps'), digits=1)} |")
     return lines
+
+
+def _interval(bounds: tuple[float, float] | None) -> str:
+    """A median's confidence interval as ``low-high`` (``-``: too few repeats for one)."""
+    return "-" if bounds is None else f"{bounds[0]:.3f}-{bounds[1]:.3f}"
 
 
 def _copy_gbps(row: dict[str, Any]) -> str:

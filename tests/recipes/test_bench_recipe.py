@@ -199,9 +199,32 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
     assert moevement["replication_thread_cpu_ms_per_iter"] == pytest.approx(1.144)
     assert none["copy_thread_cpu_ms_per_iter"] is None
     table = bench.overhead_markdown(rows)
-    assert table[3].split("|")[7].strip() == "1.125"  # training thread CPU vs none
-    assert table[2].split("|")[8].strip() == "-" and table[3].split("|")[8].strip() == "0.57 / 1.14"
+    # Three repeats are too few for a 95% interval of the median ratio.
+    assert moevement["vs_none_interval"] is None and moevement["cpu_vs_none_interval"] is None
+    assert table[3].split("|")[5].strip() == "-"
+    assert table[3].split("|")[8].strip() == "1.125"  # training thread CPU vs none
+    assert table[2].split("|")[9].strip() == "-" and table[3].split("|")[9].strip() == "0.57 / 1.14"
     # Snapshot copy bandwidth achieved, beside the copy bandwidth the profile measured.
-    assert table[2].split("|")[16].strip() == "-"
-    assert table[3].split("|")[16].strip() == "12.3 / 25.0"
-    assert table[2].split("|")[17].strip() == "-" and table[3].split("|")[17].strip() == "40.0"
+    assert table[2].split("|")[17].strip() == "-"
+    assert table[3].split("|")[17].strip() == "12.3 / 25.0"
+    assert table[2].split("|")[18].strip() == "-" and table[3].split("|")[18].strip() == "40.0"
+
+
+def test_overhead_gives_the_median_ratio_a_95_percent_interval() -> None:
+    """From six repeats on, the row carries where the true median ratio lies with at least
+    95% confidence: for nine, between the second smallest and the second largest ratio."""
+    bench = _bench_module()
+    ratios = [1.054, 1.076, 1.004, 1.183, 1.017, 1.044, 1.158, 1.070, 1.101]
+    repeats = [{"none": {"iteration_ms": {"median": 100.0},
+                         "cpu_ms_per_iteration": {"total": 200.0}},
+                "moevement": {"iteration_ms": {"median": 100.0 * ratio},
+                              "cpu_ms_per_iteration": {"total": 200.0 * ratio}}}
+               for ratio in ratios]
+    none, moevement = bench.summarise(repeats)
+    assert moevement["vs_none"] == pytest.approx(1.070)
+    assert moevement["vs_none_interval"] == pytest.approx((1.017, 1.158))
+    assert moevement["cpu_vs_none_interval"] == pytest.approx((1.017, 1.158))
+    assert none["vs_none_interval"] == (1.0, 1.0)
+    table = bench.overhead_markdown([none, moevement])
+    assert table[3].split("|")[5].strip() == "1.017-1.158"
+    assert json.loads(json.dumps(moevement))["vs_none_interval"] == pytest.approx([1.017, 1.158])
