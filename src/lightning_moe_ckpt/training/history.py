@@ -106,7 +106,8 @@ class TrainingHistory:
             self.iteration_thread_cpu_seconds.append(cpu[1] - self._cpu_started[1])
         self._cpu_started = cpu
 
-    def memory_due(self, step: int, max_steps: int) -> bool:
+    @staticmethod
+    def memory_due(step: int, max_steps: int) -> bool:
         """Whether to sample host memory after ``step`` (every :data:`MEMORY_EVERY` steps
         and at the end)."""
         return step % MEMORY_EVERY == 0 or step == max_steps
