@@ -220,6 +220,10 @@ def test_copy_lists_are_reused_and_follow_replaced_tensors(replace: object) -> N
         snapshots.issue(plans[step % 2], {})
         snapshots.wait_copies()
     assert snapshots.copy_list_builds == 2  # one per plan shape, then reused
+    # Each operator's layout once per kind the shapes use.
+    assert snapshots.layout_builds == len({(op, "master") for p in plans for op in p.master}
+                                          | {(op, "compute") for p in plans for op in p.compute})
+    before = snapshots.layout_builds
     assert callable(replace)
     replace(engine)
     plan = plans[1]
@@ -228,11 +232,45 @@ def test_copy_lists_are_reused_and_follow_replaced_tensors(replace: object) -> N
     snapshot = snapshots.issue(plan, {})
     snapshots.close()
     assert snapshots.copy_list_builds == 3  # the stale list was rebuilt
+    # Every layout was dropped with the stale list; the plan's own were built again.
+    assert snapshots.layout_builds == before + len(plan.master) + len(plan.compute)
     for operator, piece in snapshot.pieces.items():
         assert piece.tensors.keys() == expected[operator].keys()
         for name, tensor in expected[operator].items():
             assert torch.equal(piece.tensors[name], tensor), name
         assert piece.verify()
+
+
+def test_a_reordered_plan_reuses_each_operators_layout() -> None:
+    """A popularity reorder gives new plan shapes of the same operators: their copy lists
+    are put together from the layouts already built, and copy what the plan asks for."""
+    engine = _engine("bf16-master")
+    names = tuple(engine.registry.names)
+    snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cpu"),
+                               HostBufferPool(pin_memory=False))
+    engine.train_iteration(*_batch(0))
+    orders = [names, names[::-1], names[1:] + names[:1]]
+    for step, order in enumerate(orders, start=1):
+        engine.train_iteration(*_batch(step))
+        for index in range(2):  # a window of two: halves of the order, then the rest
+            plan = Plan(step, order[index::2], order[index + 1::2] if index == 0 else (),
+                        0, index, 2)
+            snapshot = snapshots.issue(plan, {})
+            snapshots.wait_copies()
+            kinds = {op: "master" for op in plan.master} | {op: "compute" for op in plan.compute}
+            assert snapshot.pieces.keys() == kinds.keys()
+            for operator, piece in snapshot.pieces.items():
+                assert piece.kind == kinds[operator]
+                expected = _live(engine, operator, piece.kind)
+                assert piece.tensors.keys() == expected.keys()
+                for name, tensor in expected.items():
+                    assert torch.equal(piece.tensors[name], tensor), name
+    snapshots.close()
+    assert snapshots.copy_list_builds == 2 * len(orders)  # every shape is new
+    # Every operator's master layout, and the compute layouts of the odd-placed ones.
+    used = {(op, "master") for op in names}
+    used |= {(op, "compute") for order in orders for op in order[1::2]}
+    assert snapshots.layout_builds == len(used)
 
 
 def test_module_buffers_are_held_as_of_issue_while_the_copy_runs_behind() -> None:

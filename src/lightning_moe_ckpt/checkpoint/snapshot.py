@@ -145,6 +145,13 @@ class SnapshotEngine:
         self._queued = [torch.cuda.Event(blocking=True)
                         for _ in range(copy_batches.COPY_BATCHES_IN_FLIGHT if self.cuda else 0)]
         self.copy_list_builds = 0
+        # Each operator's piece layouts, valid while :attr:`_layouts_fingerprint` matches:
+        # a popularity reorder makes new plan shapes of the same operators (on a 16-expert
+        # GPT-MoE at W = 2, seven windows in eight), so a new shape's copy list is put
+        # together from these instead of reading every source tensor again.
+        self._layouts: dict[tuple[str, PieceKind], PieceLayout] = {}
+        self._layouts_fingerprint: StateFingerprint | None = None
+        self.layout_builds = 0
         # The first error of the copy or checksum thread (both go on): the training thread
         # raises it in its next wait, rather than training on with snapshots never taken.
         self.failure: BaseException | None = None
@@ -163,27 +170,26 @@ class SnapshotEngine:
         return self.copy_cpu_s + self.checksum_cpu_s
 
     def copy_list(self, plan: CapturePlan) -> CopyList:
-        """The copy list of ``plan``'s shape: cached, rebuilt when the live tensors behind
-        it were replaced (a restore, the optimizer's first step)."""
+        """The copy list of ``plan``'s shape: cached, and put together from cached
+        per-operator layouts for a new shape; all are rebuilt when the live tensors behind
+        them were replaced (a restore, the optimizer's first step)."""
         shape = (plan.master, plan.compute)
-        cached = self.copy_lists.get(shape)
-        if cached is not None and cached.fingerprint.matches():
-            return cached
+        fingerprint = self._layouts_fingerprint
+        if fingerprint is None or not fingerprint.matches():
+            fingerprint = self._forget_layouts()
+        else:
+            cached = self.copy_lists.get(shape)
+            if cached is not None:
+                return cached
         # Shapes of superseded orders (after a reorder) are never asked for again: keep
         # the two windows' worth that can be, so the cache stays bounded.
         while len(self.copy_lists) > 2 * plan.window:
             del self.copy_lists[next(iter(self.copy_lists))]
         kinds: tuple[tuple[PieceKind, tuple[str, ...]], ...] = (
             ("master", plan.master), ("compute", plan.compute))
-        pieces = tuple(PieceLayout.of(operator, kind,
-                                      _sources(self.registry, self.state, operator, kind),
-                                      (b.snapshot_key for b in self.registry[operator].buffers))
+        pieces = tuple(self._layout(operator, kind)
                        for kind, operators in kinds for operator in operators
                        if operator in self.registry)  # others are held by other ranks
-        operators = [self.registry[layout.operator] for layout in pieces]
-        fingerprint = StateFingerprint(self.state,
-                                       (piece for op in operators for piece in op.pieces),
-                                       (buffer for op in operators for buffer in op.buffers))
         sources = tuple(t for layout in pieces for t in layout.behind_sources)
         built = CopyList(pieces, sources,
                          tuple(t for layout in pieces for t in layout.at_issue_sources),
@@ -193,6 +199,26 @@ class SnapshotEngine:
         self.copy_lists[shape] = built
         self.copy_list_builds += 1
         return built
+
+    def _forget_layouts(self) -> StateFingerprint:
+        """Drop every cached layout and copy list; fingerprint the live state anew."""
+        self._layouts.clear()
+        self.copy_lists.clear()
+        self._layouts_fingerprint = StateFingerprint(
+            self.state, (piece for op in self.registry for piece in op.pieces),
+            (buffer for op in self.registry for buffer in op.buffers))
+        return self._layouts_fingerprint
+
+    def _layout(self, operator: str, kind: PieceKind) -> PieceLayout:
+        """``operator``'s piece layout of ``kind``, built once per fingerprint."""
+        layout = self._layouts.get((operator, kind))
+        if layout is None:
+            layout = PieceLayout.of(operator, kind,
+                                    _sources(self.registry, self.state, operator, kind),
+                                    (b.snapshot_key for b in self.registry[operator].buffers))
+            self._layouts[operator, kind] = layout
+            self.layout_builds += 1
+        return layout
 
     def issue(self, plan: CapturePlan, metadata: dict[str, Any],
               placement: SlotPlacement | None = None) -> Snapshot:
