@@ -73,7 +73,9 @@ wanted copy_queue && step copy_queue 120 python3 recipes/copy_queue_probe.py
 bench=(python3 recipes/bench.py --ettr-policies --peers --policies moevement gemini)
 wanted bench_tiny && step bench_tiny 150 "${bench[@]}" --steps 40 --out "$out/bench_tiny" \
     hardware=h100
-wanted bench_sized && step bench_sized 330 "${bench[@]}" --steps 30 --out "$out/bench_sized" \
+# 60 steps: the first two windows pin their host buffers (seconds a step), and the median
+# counts every step, so a 30-step run at W = 4 was a third start-up.
+wanted bench_sized && step bench_sized 420 "${bench[@]}" --steps 60 --out "$out/bench_sized" \
     hardware=h100 model=gpt_moe model.n_layers=2 model.n_experts=16 model.max_seq_len=1024 \
     data.seq_len=1024
 
