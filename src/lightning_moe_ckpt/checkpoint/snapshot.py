@@ -82,13 +82,12 @@ class _CopyJob:
 class CopyList:
     """Everything :meth:`SnapshotEngine.issue` needs for one plan shape, built once: the
     plan repeats every W iterations, so steady-state issuing is a few operations per piece
-    and none per tensor. Valid while :attr:`fingerprint` matches the live state. Equal only
-    to itself (it is a cache key of its buffers' views, by identity)."""
+    and none per tensor. Valid while the engine's fingerprint of the live state matches.
+    Equal only to itself (it is a cache key of its buffers' views, by identity)."""
 
     pieces: tuple[PieceLayout, ...]
     sources: tuple[torch.Tensor, ...]  # copied behind the next iteration
     at_issue_sources: tuple[torch.Tensor, ...]  # module buffers, copied at issue
-    fingerprint: StateFingerprint
     batches: copy_batches.CopyBatches | None = None  # CUDA: :attr:`sources` in batches
 
     @cached_property
@@ -176,7 +175,7 @@ class SnapshotEngine:
         shape = (plan.master, plan.compute)
         fingerprint = self._layouts_fingerprint
         if fingerprint is None or not fingerprint.matches():
-            fingerprint = self._forget_layouts()
+            self._forget_layouts()
         else:
             cached = self.copy_lists.get(shape)
             if cached is not None:
@@ -193,21 +192,19 @@ class SnapshotEngine:
         sources = tuple(t for layout in pieces for t in layout.behind_sources)
         built = CopyList(pieces, sources,
                          tuple(t for layout in pieces for t in layout.at_issue_sources),
-                         fingerprint,
                          copy_batches.CopyBatches.of(sources, self.copy_batch_bytes)
                          if self.cuda else None)
         self.copy_lists[shape] = built
         self.copy_list_builds += 1
         return built
 
-    def _forget_layouts(self) -> StateFingerprint:
+    def _forget_layouts(self) -> None:
         """Drop every cached layout and copy list; fingerprint the live state anew."""
         self._layouts.clear()
         self.copy_lists.clear()
         self._layouts_fingerprint = StateFingerprint(
             self.state, (piece for op in self.registry for piece in op.pieces),
             (buffer for op in self.registry for buffer in op.buffers))
-        return self._layouts_fingerprint
 
     def _layout(self, operator: str, kind: PieceKind) -> PieceLayout:
         """``operator``'s piece layout of ``kind``, built once per fingerprint."""
