@@ -186,9 +186,38 @@ def test_moevement_reorder_thresholds(specs: tuple[OperatorSpec, ...], counts: t
                                       options: dict[str, float], reorders: int) -> None:
     planner = _latest_only(specs, **options)
     first = _window_plans(planner, 1, iter([_skewed([0, 1, 2, 3])] * 2))
-    second = _window_plans(planner, 3, iter([counts] * 2))
+    # The boundary at 3 reads the counters published at 2 (the first window's routing):
+    # the second window's routing decides at the boundary after it.
+    _window_plans(planner, 3, iter([counts] * 2))
+    third = _window_plans(planner, 5, iter([counts] * 2))
     assert planner.reorders == reorders
-    assert (second[0].schedule == first[0].schedule) == (reorders == 1)
+    assert (third[0].schedule == first[0].schedule) == (reorders == 1)
+
+
+def test_moevement_reads_popularity_published_before_the_boundary(
+        specs: tuple[OperatorSpec, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A boundary orders by the counters published at the window's last iteration, whose
+    host copy had an iteration to finish: never by a read of the live counters, which
+    would wait for the device (only the first boundary, with nothing published, does)."""
+    planner = _latest_only(specs)
+    ascending, descending = _skewed([0, 1, 2, 3]), _skewed([3, 2, 1, 0])
+    plans = _window_plans(planner, 1, iter([ascending, ascending]))
+    assert planner.reorders == 1 and _expert_order(plans[0]) == [0, 1, 2, 3]
+    assert planner.tracker is not None
+
+    def blocking_read() -> None:
+        raise AssertionError("a boundary read the live counters")
+
+    monkeypatch.setattr(planner.tracker, "frequency_matrix", blocking_read)
+    # Live counters at 3 are descending, but 2 published ascending: the order stands.
+    plans = _window_plans(planner, 3, iter([descending, descending]))
+    assert planner.reorders == 1 and _expert_order(plans[0]) == [0, 1, 2, 3]
+    # 4 published descending: the boundary at 5 adopts it, whatever 5 routed.
+    plans = _window_plans(planner, 5, iter([ascending, ascending]))
+    assert planner.reorders == 2 and _expert_order(plans[0]) == [3, 2, 1, 0]
+    # 6 published ascending; a recovery rolls back what it counted.
+    planner.on_recovery(6)
+    assert planner.tracker.published_frequency_matrix() is None
 
 
 def test_moevement_restarts_windows_and_round_trips(specs: tuple[OperatorSpec, ...]) -> None:
@@ -289,14 +318,18 @@ def test_moevement_agrees_at_most_every_agreement_every_iterations(
 
 
 def test_moevement_within_window_plans_never_read_the_device(
-        specs: tuple[OperatorSpec, ...]) -> None:
+        specs: tuple[OperatorSpec, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     planner = MoEvementPlanner(specs, window=4, top_k=2, n_layers=LAYERS, n_experts=EXPERTS)
     planner.observe(1, _skewed([0, 1, 2, 3]), _skewed([0, 1, 2, 3]))
-    assert planner.plan(1) is not None  # boundary: one host read of the tracker
+    assert planner.plan(1) is not None  # the first boundary: one host read of the tracker
+    assert planner.tracker is not None
+    published: list[int] = []  # the window's last plan starts the next boundary's copy
+    monkeypatch.setattr(planner.tracker, "publish", lambda: published.append(t))
     meta = _skewed([3, 2, 1, 0]).to("meta")  # any host read of these raises
     for t in (2, 3, 4):
         planner.observe(t, meta, meta)
         assert planner.plan(t) is not None
+    assert published == [4]
 
 
 # --- Dense: Gemini and CheckFreq -----------------------------------------------------------

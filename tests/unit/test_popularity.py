@@ -3,6 +3,7 @@ accumulation and the one-step-late host mirror."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -90,6 +91,22 @@ def test_accumulation_never_reads_device_data() -> None:
         assert tracker.iterations == 3
         with pytest.raises((NotImplementedError, RuntimeError)):
             tracker.frequencies()  # the one host copy, asked for at window boundaries
+
+
+def test_a_publication_is_read_once_and_keeps_its_values() -> None:
+    tracker = PopularityTracker(2, 4, top_k=2)
+    assert tracker.published_frequency_matrix() is None  # nothing published
+    tracker.update(HARD, SOFT)
+    tracker.publish()
+    published = tracker.frequency_matrix()
+    tracker.update(HARD.flip(1), SOFT)  # after the publication: not in it
+    read = tracker.published_frequency_matrix()
+    assert read is not None and np.array_equal(read, published)
+    assert not np.array_equal(read, tracker.frequency_matrix())
+    assert tracker.published_frequency_matrix() is None  # read once
+    tracker.publish()
+    tracker.reset()
+    assert tracker.published_frequency_matrix() is None  # forgotten with the counters
 
 
 def test_state_dict_round_trip() -> None:

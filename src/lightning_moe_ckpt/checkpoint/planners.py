@@ -178,12 +178,18 @@ class MoEvementPlanner(BasePlanner):
             assert schedule is not None
         self._next = iteration + 1
         index = iteration - start
+        if self.tracker is not None and index == schedule.window - 1 and schedule.window > 1:
+            # The next boundary reads the counters: copied from here, they reach the host
+            # while the device runs one more iteration, and reading them costs no sync.
+            self.tracker.publish()
         return CapturePlan(iteration, schedule.master_at(index), schedule.compute_at(index),
                            start, index, schedule.window, schedule.to_dict())
 
     @override
     def on_recovery(self, iteration: int) -> None:
         self._next = None  # the next plan starts a fresh window
+        if self.tracker is not None:  # the next boundary reads the counters as they are
+            self.tracker.discard_published()
         # Every rank recovers together: all of them agree afresh at the next boundary (a
         # proposal still on its way belongs to the groups before the failure).
         self._agreed = None
@@ -239,12 +245,21 @@ class MoEvementPlanner(BasePlanner):
         return schedule if self.profile else replace(schedule, budget_bytes=None)
 
     def _maybe_reorder(self) -> bool:
-        """Read the tracker (one host copy per window) and adopt its frequencies if they
-        moved past the thresholds relative to the order in force (tensor operations over
-        the experts; a Python pass over them only when the order changes)."""
+        """Read the tracker and adopt its frequencies if they moved past the thresholds
+        relative to the order in force (array operations over the experts; a Python pass
+        over them only when the order changes).
+
+        The frequencies are those published at the last iteration of the window that
+        ends here, one iteration old: reading the counters as they are now would wait for
+        the device at every boundary. Only a boundary with no publication before it (the
+        first one, after a recovery, or after windows of one iteration) reads them with
+        that wait."""
         if self.tracker is None or self.tracker.iterations == 0:
             return False
-        current = self.tracker.frequency_matrix().reshape(-1)[self._held_index]
+        frequencies = self.tracker.published_frequency_matrix()
+        if frequencies is None:
+            frequencies = self.tracker.frequency_matrix()
+        current = frequencies.reshape(-1)[self._held_index]
         previous = self._ordered_by
         if previous is None:
             previous = np.array([self.specs[name].popularity for _, name in self._held],

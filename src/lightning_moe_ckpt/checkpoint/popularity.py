@@ -2,8 +2,11 @@
 
 A :class:`PopularityTracker` accumulates the routers' per-iteration counters (``[layers,
 experts]`` tensors of hard counts: tokens routed to each expert, and soft counts: summed
-gate probabilities) on their own device, with no host sync per iteration. Only
-:meth:`PopularityTracker.frequencies`, asked once per window boundary, copies to the host.
+gate probabilities) on their own device, with no host sync per iteration. A planner reads
+them once per window: :meth:`PopularityTracker.publish` starts their host copy one
+iteration before the boundary, and :meth:`PopularityTracker.published_frequency_matrix`
+reads it there without waiting on the device (:meth:`PopularityTracker.frequencies` is
+the blocking read, for reports).
 Frequencies are in ``[0, 1]`` and keyed by operator name ``layers.{l}.moe.experts.{e}``:
 
 * ``hard``: share of tokens that activate the expert, ``top_k x count / sum(counts)``,
@@ -76,6 +79,8 @@ class PopularityTracker:
         self._capacity_scale = capacity.min() / capacity
         self._counts: torch.Tensor | None = None  # cumulative hard, soft, or EMA of hard
         self.iterations = 0
+        self._published = HostMirror()  # the counters at the last publish, on their way
+        self._unread = False  # whether that publication is still to be read
 
     def update(self, hard_counts: torch.Tensor, soft_counts: torch.Tensor | None = None) -> None:
         """Add one iteration's counters (device tensors; nothing leaves the device)."""
@@ -101,11 +106,40 @@ class PopularityTracker:
                      for expert in range(self.shape[1]))
 
     def frequency_matrix(self) -> np.ndarray:
-        """Activation frequency per ``[layer, expert]`` in ``[0, 1]`` (float64, one host
-        copy; window boundaries only: NumPy, whose operations on a few thousand values
-        cost a fraction of torch's dispatch). All zeros before any routed token."""
-        counts = (self._counts.cpu().numpy() if self._counts is not None
-                  else np.zeros(self.shape, dtype=np.float64))
+        """Activation frequency per ``[layer, expert]`` in ``[0, 1]`` (float64; one host
+        copy that waits for the device). All zeros before any routed token."""
+        return self._shares(None if self._counts is None else self._counts.cpu().numpy())
+
+    def publish(self) -> None:
+        """Start copying the counters to the host (non-blocking on a GPU), for
+        :meth:`published_frequency_matrix` to read an iteration or more later."""
+        if self._counts is not None:
+            self._published.publish(self._counts)
+            self._unread = True
+
+    def published_frequency_matrix(self) -> np.ndarray | None:
+        """:meth:`frequency_matrix` of the counters as of the last :meth:`publish`, or
+        ``None`` if nothing was published since the last read (each publication is read
+        once). Published an iteration earlier, the copy has long finished: a blocking
+        ``.cpu()`` here would instead drain the device's queue and wait behind the
+        snapshot copies on the copy engine, once per window."""
+        if not self._unread:
+            return None
+        self._unread = False
+        counts = self._published.read()
+        assert counts is not None  # published
+        return self._shares(counts.numpy())
+
+    def discard_published(self) -> None:
+        """Drop a publication not yet read (a recovery rolled back the iterations it
+        counted)."""
+        self._unread = False
+
+    def _shares(self, counts: np.ndarray | None) -> np.ndarray:
+        """Frequencies from host counters (NumPy: on a few thousand values its operations
+        cost a fraction of torch's dispatch)."""
+        if counts is None:
+            counts = np.zeros(self.shape, dtype=np.float64)
         total = counts.sum(axis=1, keepdims=True)
         share = np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
         if self.scheme != "soft":  # each token activates top_k experts
@@ -121,6 +155,7 @@ class PopularityTracker:
     def reset(self) -> None:
         """Forget everything observed."""
         self._counts, self.iterations = None, 0
+        self._unread = False
 
     def state_dict(self) -> dict[str, Any]:
         """Counters stay on their device (a clone, no host sync); ``torch.save`` copes."""
@@ -136,6 +171,7 @@ class PopularityTracker:
         counts = state["counts"]
         self._counts = None if counts is None else counts.detach().clone().to(torch.float64)
         self.iterations = int(state["iterations"])
+        self._unread = False
 
 
 def check_reorder_thresholds(change_threshold: float, fraction_threshold: float) -> None:
