@@ -1,8 +1,12 @@
 """Does a snapshot's device-to-host copy hold up the training stream's own reads?
 
-``python recipes/copy_queue_probe.py [--gib 4] [--tensors 250]`` (needs CUDA) stands in
-for one iteration of a MoE model: 16 "layers" of two 4096x4096 matmuls on the current
-stream, each ending in a small ``.tolist()`` (the routing counts a MoE layer reads).
+``python recipes/copy_queue_probe.py [--gib 4] [--tensors 250] [--read pinned]`` (needs
+CUDA) stands in for one iteration of a MoE model: 16 "layers" of two 4096x4096 matmuls on
+the current stream, each ending in a small read of the routing counts a MoE layer needs on
+the host: ``.tolist()`` into pageable memory (``--read pageable``, the default, as most
+models do), or a non-blocking copy into a pinned buffer and a wait on its event
+(``--read pinned``), to tell whether the kind of read decides if it waits behind a
+snapshot's copy.
 Meanwhile another thread copies ``--gib`` GiB in ``--tensors`` tensors to pinned host
 memory on a side stream, either issued at once or in the snapshot engine's batches
 (:class:`~lightning_moe_ckpt.checkpoint.copy_batches.CopyBatches`, a ring of events
@@ -22,15 +26,24 @@ import torch
 from lightning_moe_ckpt.checkpoint.copy_batches import CopyBatches
 
 
-def iteration(weights: torch.Tensor, counts: torch.Tensor, layers: int = 16) -> tuple[float, float]:
-    """Seconds of one stand-in iteration, and its longest ``.tolist()``."""
+def iteration(weights: torch.Tensor, counts: torch.Tensor, pinned: torch.Tensor | None = None,
+              layers: int = 16) -> tuple[float, float]:
+    """Seconds of one stand-in iteration, and its longest read of ``counts`` (through the
+    ``pinned`` buffer when given, else ``.tolist()``)."""
     longest = 0.0
     started = time.perf_counter()
+    read_done = torch.cuda.Event()
     for _ in range(layers):
         for _ in range(2):
             weights.mm(weights)
         read = time.perf_counter()
-        counts.tolist()
+        if pinned is None:
+            counts.tolist()
+        else:
+            pinned.copy_(counts, non_blocking=True)
+            read_done.record()
+            read_done.synchronize()
+            pinned.tolist()
         longest = max(longest, time.perf_counter() - read)
     torch.cuda.synchronize()
     return time.perf_counter() - started, longest
@@ -55,6 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=4.0, help="bytes copied, GiB")
     parser.add_argument("--tensors", type=int, default=250, help="tensors copied")
+    parser.add_argument("--read", choices=("pageable", "pinned"), default="pageable",
+                        help="how the iteration reads its counts")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("copy_queue_probe.py needs CUDA")
@@ -64,11 +79,14 @@ def main() -> None:
     nbytes = numel * 4 * args.tensors
     weights = torch.randn(4096, 4096, device="cuda")
     counts = torch.zeros(17, dtype=torch.int64, device="cuda")
+    pinned = (torch.empty(17, dtype=torch.int64, pin_memory=True) if args.read == "pinned"
+              else None)
     stream = torch.cuda.Stream()
     for _ in range(2):
-        iteration(weights, counts)
-    alone, alone_longest = iteration(weights, counts)
-    print(f"no copy: iteration {alone * 1e3:.1f} ms, longest read {alone_longest * 1e3:.2f} ms")
+        iteration(weights, counts, pinned)
+    alone, alone_longest = iteration(weights, counts, pinned)
+    print(f"{args.read} reads, no copy: iteration {alone * 1e3:.1f} ms, longest read "
+          f"{alone_longest * 1e3:.2f} ms")
     print("| copy issued | iteration ms | vs no copy | longest read ms | copy GB/s | "
           "copy GB/s, alone |")
     print("|---|---|---|---|---|---|")
@@ -87,7 +105,7 @@ def main() -> None:
             torch.cuda.synchronize()
             worker.start()
             time.sleep(0.002)  # the copy is queued first, as after an optimizer step
-            took, longest = iteration(weights, counts)
+            took, longest = iteration(weights, counts, pinned)
             worker.join()
             print(f"| {name} | {took * 1e3:.1f} | {took / alone:.3f} | {longest * 1e3:.2f} | "
                   f"{nbytes / out['seconds'] / 1e9:.1f} | "

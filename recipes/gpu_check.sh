@@ -7,7 +7,8 @@
 #                run, with both APIs) and the CUDA cases of tests/unit;
 #   bandwidth    pinned and pageable device-to-host copy bandwidth of a 1 GiB buffer;
 #   copy_queue   recipes/copy_queue_probe.py: how long the training stream's small reads
-#                wait behind a 4 GiB snapshot copy issued at once or in batches;
+#                wait behind a 4 GiB snapshot copy issued at once or in batches, read
+#                into pageable memory (.tolist()) and then into a pinned buffer;
 #   bench_tiny   `recipes/bench.py hardware=h100` on this one GPU with the tiny model: the
 #                path runs end to end;
 #   bench_sized  the same on a model sized to the GPU (the paper's GPT-MoE widths, 2 layers
@@ -69,6 +70,7 @@ print(f"device-to-host, 1 GiB: pinned {pinned / 1e9:.1f} GB/s, "
 EOF
 
 wanted copy_queue && step copy_queue 120 python3 recipes/copy_queue_probe.py
+wanted copy_queue && step copy_queue_pinned 120 python3 recipes/copy_queue_probe.py --read pinned
 
 bench=(python3 recipes/bench.py --ettr-policies --peers --policies moevement gemini)
 wanted bench_tiny && step bench_tiny 150 "${bench[@]}" --steps 40 --out "$out/bench_tiny" \
