@@ -90,7 +90,7 @@ def test_accumulation_never_reads_device_data() -> None:
             tracker.update(HARD.to("meta"), SOFT.to("meta"))
         assert tracker.iterations == 3
         with pytest.raises((NotImplementedError, RuntimeError)):
-            tracker.frequencies()  # the one host copy, asked for at window boundaries
+            tracker.frequencies()  # the blocking host read (a boundary reads a publication)
 
 
 def test_a_publication_is_read_once_and_keeps_its_values() -> None:
