@@ -50,11 +50,16 @@ def test_persisted_window_equals_its_replicas_and_memory_is_bounded(
         if ranks_per_node == 1:
             assert report["mapped_sources"] == report["mapping_peers"] == []
             assert report["mapped_bytes"] == report["slot_bytes"] == 0
+            assert report["acknowledgements"] == 0
             assert report["copied_bytes"] > 0
         else:
             assert report["mapped_sources"] == sorted(sources)
             assert report["mapping_peers"] == sorted(peers)
             assert report["copied_bytes"] == 0 and report["mapped_bytes"] > 0
+            # Each peer acknowledged each slot once, not each snapshot: the snapshots of the
+            # fifth window on lie in slots it maps already, and went out as handles alone.
+            assert report["acknowledgements"] == len(peers) * report["slots"]
+            assert report["slots"] < report["snapshots"] - window
             # Its own encoded snapshots: the four windows a peer may still read, plus spare.
             assert 0 < report["slot_bytes"] <= 6 * report["window_bytes"]
         for peer in peers:

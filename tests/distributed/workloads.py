@@ -328,7 +328,10 @@ def replication_check(settings: RunSettings, steps: int, window: int,
                        "mapped_bytes": replicator.replicas.mapped_nbytes(),
                        "mapped_sources": sorted(replicator.mapped_sources),
                        "mapping_peers": sorted(replicator.mapping_peers),
-                       "slot_bytes": replicator.slot_bytes_peak()}
+                       "slot_bytes": replicator.slot_bytes_peak(),
+                       "acknowledgements": replicator.acknowledgements,
+                       "slots": 0 if replicator.slots is None else replicator.slots.allocations,
+                       "snapshots": coordinator.snapshots_taken}
     if dist.get_rank() == first:
         _corrupt_one_piece(replicator.replicas, 0, common_start)
     fetched_despite_corrupt = sorted(replicator.fetch_window(0, common_start))

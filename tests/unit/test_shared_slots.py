@@ -30,6 +30,7 @@ from lightning_moe_ckpt.checkpoint.pieces import (
 )
 from lightning_moe_ckpt.checkpoint.replica_store import ReplicaStore
 from lightning_moe_ckpt.checkpoint.shared_slots import (
+    MappedSlots,
     SharedSlot,
     SlotHandle,
     SlotMapper,
@@ -122,6 +123,40 @@ def test_slots_are_rewritten_only_after_four_window_changes() -> None:
     assert _sent(ring, 5, 1000).serial == 6
 
 
+def test_a_slot_is_acknowledged_once_per_generation_on_both_sides() -> None:
+    # Source and peer each track what the peer acknowledged, fed the same handles: they
+    # agree on which handles need a message back without exchanging one.
+    ring = SlotRing()
+    first, second = _sent(ring, 0, 1000), _sent(ring, 1, 1000)
+    source_side, peer_side = MappedSlots(), MappedSlots()
+
+    def needs(slot: SharedSlot) -> bool:
+        handle = SlotHandle.from_tensor(slot.handle(100, ring.generation).as_tensor())
+        wanted = source_side.needs_acknowledgement(handle)
+        assert peer_side.needs_acknowledgement(handle) == wanted
+        if wanted:
+            source_side.acknowledged(handle)
+            peer_side.acknowledged(handle)
+        return wanted
+
+    assert [needs(first), needs(second), needs(first), needs(second)] == [
+        True, True, False, False]
+    assert peer_side.keys() == {(os.getpid(), ring.token, s.serial) for s in (first, second)}
+    ring.abandon()  # closed slots: a new generation, in which nothing is acknowledged yet
+    assert ring.generation == 1 and peer_side.keys()
+    third = _sent(ring, 2, 1000)
+    assert needs(third) and peer_side.keys() == {(os.getpid(), ring.token, third.serial)}
+    assert not needs(third)
+
+
+def test_closing_a_spare_slot_starts_a_new_generation() -> None:
+    ring = SlotRing()
+    for start, size in enumerate((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)):
+        _sent(ring, start, size << 17)  # each larger than every free one
+    assert len(ring.free) <= 4 and ring.generation >= 1
+    assert ring.generation == ring.allocations - len(ring.free) - len(ring.in_use)
+
+
 def test_a_larger_snapshot_gets_a_slot_that_fits() -> None:
     ring = SlotRing()
     small = _sent(ring, 0, 10)
@@ -136,7 +171,7 @@ import sys, torch
 from lightning_moe_ckpt.checkpoint.shared_slots import SlotRing
 slot = SlotRing().acquire(4096)
 slot.view(4096).copy_(torch.arange(4096) % 251)
-print(*slot.handle(4096).as_tensor().tolist(), flush=True)
+print(*slot.handle(4096, 0).as_tensor().tolist(), flush=True)
 sys.stdin.read()  # until killed
 """
 
@@ -170,7 +205,7 @@ def test_mapped_snapshots_are_never_reused_as_receive_buffers() -> None:
     for start in range(4):
         slot = _sent(ring, start, 64)
         slot.view(64).fill_(start)
-        handle = slot.handle(64)
+        handle = slot.handle(64, ring.generation)
         store.put(1, start, start, mapper.view(handle), slot=slot_key(handle))
         store.put(2, start, start, torch.full((64,), start, dtype=torch.uint8))
         mapped_bytes = 64 * min(start + 1, 2)

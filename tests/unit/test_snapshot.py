@@ -121,24 +121,28 @@ def test_a_failed_copy_is_raised_in_the_training_threads_wait(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("checksum_thread", [True, False], ids=["own thread", "copy thread"])
 def test_an_interrupted_copy_stays_unchecksummed_once_the_failure_is_handled(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, checksum_thread: bool) -> None:
     """Whether a copy was cut short is decided when it completes: the failure injector
     clears the interrupted steps as soon as the training thread's wait returns, which may
-    be before the checksum thread reaches that snapshot."""
+    be before the checksum thread (CUDA's, forced here) reaches that snapshot, or before
+    the copy thread, which checksums on CPU, goes on to checksum it."""
     engine = _engine("32")
     engine.train_iteration(*_batch(0))
     snapshots = SnapshotEngine(engine.registry, engine.state, rank=0,
-                               device=torch.device("cpu"))
+                               device=torch.device("cpu"), checksum_thread=checksum_thread)
+    assert len(snapshots._threads) == (2 if checksum_thread else 1)
     names = tuple(engine.registry.names)
     release = threading.Event()
-    checksum = snapshots._checksum
+    checksum_copied = snapshots._checksum_copied
 
-    def held_checksum(snapshot: Snapshot) -> None:
-        release.wait()
-        checksum(snapshot)
+    def held_checksum(snapshot: Snapshot, usable: bool) -> None:
+        if snapshot.step == 1:  # the cut one: checksummed only after the injector cleared
+            release.wait()
+        checksum_copied(snapshot, usable)
 
-    monkeypatch.setattr(snapshots, "_checksum", held_checksum)
+    monkeypatch.setattr(snapshots, "_checksum_copied", held_checksum)
     first = snapshots.issue(round_robin(names, 0, 2), {})  # type: ignore[arg-type]
     snapshots.interrupt_copy(1)
     cut = snapshots.issue(round_robin(names, 1, 2), {})  # type: ignore[arg-type]

@@ -13,7 +13,10 @@ snapshot's shared-memory slot instead of receiving a copy (:mod:`.shared_slots`)
 sent the slot's handle, and holds the source's bytes for as long as it keeps them, after
 the source's death too. Each snapshot goes out as a handle to every peer first (the
 payload's length, and for a mapping peer where to find it); then the copying peers receive
-the bytes while the mapping peers, having mapped the slot, acknowledge it.
+the bytes while a mapping peer that maps the slot for the first time acknowledges it. A
+slot comes back every few windows, and a peer keeps the slots it acknowledged mapped
+(:class:`~.shared_slots.MappedSlots`), so in steady state a snapshot of a rank whose peers
+all map its memory takes one exchange of handles, and no second one.
 
 Peers keep the serialized snapshots of each source rank in a
 :class:`~.replica_store.ReplicaStore` (encoded piece by piece, see
@@ -41,6 +44,7 @@ from lightning_moe_ckpt.checkpoint.codec import (
 from lightning_moe_ckpt.checkpoint.pieces import Snapshot
 from lightning_moe_ckpt.checkpoint.replica_store import ReplicaStore
 from lightning_moe_ckpt.checkpoint.shared_slots import (
+    MappedSlots,
     SharedSlot,
     SlotHandle,
     SlotMapper,
@@ -112,6 +116,11 @@ class Replicator:
         self._handle_buffers = {s: torch.zeros(SlotHandle.FIELDS, dtype=torch.int64)
                                 for s in self.sources}
         self._ack_buffers = {p: torch.zeros(1, dtype=torch.int64) for p in self.mapping_peers}
+        # Which slots each mapping peer acknowledged, as this rank and that peer both track
+        # it: the peers' of this rank's slots, and this rank's of each mapped source's.
+        self._acknowledged_by = {p: MappedSlots() for p in self.mapping_peers}
+        self._acknowledged_to = {s: MappedSlots() for s in self.mapped_sources}
+        self.acknowledgements = 0  # received: the slots a mapping peer mapped afresh
         self.mapper = SlotMapper()
         self.on_replicated = on_replicated
         # Called in the replication thread with a snapshot's step once the sizes went out
@@ -267,17 +276,27 @@ class Replicator:
         _exchange(group, [(handles[s], s) for s in self.sources], [(sent, p) for p in self.peers])
         announced = {s: SlotHandle.from_tensor(handles[s]) for s in self.sources}
         # Mapped before the acknowledgement goes back: from then on the source may let go
-        # of the slot's file descriptor (its memory lives on in the mapping).
+        # of the slot's file descriptor (its memory lives on in the mapping). A slot
+        # acknowledged before is mapped already (kept so below): nothing goes back.
         mapped = {s: self.mapper.view(announced[s]) for s in self.mapped_sources}
+        acknowledging = [s for s in self.mapped_sources
+                         if self._acknowledged_to[s].needs_acknowledgement(announced[s])]
+        acknowledged = [p for p in self.mapping_peers
+                        if self._acknowledged_by[p].needs_acknowledgement(handle)]
         if self.before_payload is not None:
             self.before_payload(snapshot.step)
         received = {s: self.replicas.buffer(announced[s].length) for s in self.sources
                     if s not in self.mapped_sources}
         _exchange(group,
                   [*((buffer, s) for s, buffer in received.items()),
-                   *((self._ack_buffers[p], p) for p in self.mapping_peers)],
-                  [*((_MAPPED, s) for s in mapped),
+                   *((self._ack_buffers[p], p) for p in acknowledged)],
+                  [*((_MAPPED, s) for s in acknowledging),
                    *((data, p) for p in self.peers if p not in self.mapping_peers)])
+        for source in acknowledging:
+            self._acknowledged_to[source].acknowledged(announced[source])
+        for peer in acknowledged:
+            self._acknowledged_by[peer].acknowledged(handle)
+        self.acknowledgements += len(acknowledged)
         start = snapshot.plan.window_start
         for source, payload in received.items():
             self.replicas.put(source, start, snapshot.step, payload)
@@ -285,7 +304,8 @@ class Replicator:
             self.replicas.put(source, start, snapshot.step, view,
                               slot=slot_key(announced[source]))
         if mapped:
-            self.mapper.keep_only(self.replicas.mapped_slots())
+            self.mapper.keep_only(self.replicas.mapped_slots().union(
+                *(known.keys() for known in self._acknowledged_to.values())))
         self.completed += 1
         self.on_replicated(start, snapshot.step)
 
@@ -298,7 +318,7 @@ class Replicator:
             return data, SlotHandle(data.numel(), 0, 0, 0, 0, 0), None
         assert self.placement is not None  # it comes with the slots
         data, slot = encode_in_slot(snapshot, self.placement)
-        return data, slot.handle(data.numel()), slot
+        return data, slot.handle(data.numel(), self.slots.generation), slot
 
     def abandon_slots(self) -> None:
         """Encode the next snapshots into new slots: peers may still need the bytes in the

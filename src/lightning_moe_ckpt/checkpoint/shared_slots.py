@@ -13,8 +13,9 @@ system, so nothing is left behind when processes die. Remote peers receive the s
 bytes as before, so encoding into a slot costs them nothing extra.
 
 Slots are reused (:class:`SlotRing`): a peer keeps a source's two newest windows, and it
-has filed the snapshot before last by the time the source sends the next one (each
-exchange waits for the previous one), so a slot is rewritten only once the replication
+has filed the snapshot before last by the time the source sends the next one (a peer posts
+its receive of the next handle only after it filed this one, and a gloo send waits for its
+receive), so a slot is rewritten only once the replication
 thread has sent snapshots of four later windows (counted in the order it sends them, which
 may lag the order snapshots are taken in). A slot may also hold a snapshot from the moment
 it is taken (:mod:`.slot_placement`): then the rank's own store holds it as well, and the
@@ -22,6 +23,14 @@ slot is rewritten only once the store let go too. A rank whose snapshots a recov
 superseded, or whose host memory a simulated failure took, abandons its slots
 (:meth:`SlotRing.abandon`) instead: the peers' mappings keep the old bytes for as long as
 they need them, and new snapshots go to new slots.
+
+A peer acknowledges a slot once, when it first maps it (:class:`MappedSlots`): from then on
+it keeps the mapping while the slot lives, so a snapshot in a slot the peer already maps
+needs no message back, only its handle, as a copy needs only its send. Source and peer
+know alike which handles need an acknowledgement, without telling each other: both track
+the slots acknowledged in the source ring's current *generation*, which the handle
+carries and which changes whenever the source closes a slot (both then forget, and the
+peer lets go of mappings it holds nothing in).
 
 Whether a peer can map a source's memory (same node and PID namespace, an OS that allows
 it) is tested once per replication group with a random token (:func:`mappable_sources`);
@@ -63,7 +72,8 @@ _PROBE_BYTES = 16
 class SlotHandle:
     """Where a snapshot's encoded bytes lie: ``length`` bytes at the start of slot
     ``serial`` of process ``pid`` (file descriptor ``fd``, ``capacity`` bytes), whose
-    random ``token`` tells this process's slots from an earlier one's with the same pid."""
+    random ``token`` tells this process's slots from an earlier one's with the same pid;
+    ``generation`` counts the slots its ring closed before (see :class:`MappedSlots`)."""
 
     length: int
     pid: int
@@ -71,19 +81,19 @@ class SlotHandle:
     serial: int
     capacity: int
     token: int
+    generation: int = 0
 
-    FIELDS = 6
+    FIELDS = 7
 
     def as_tensor(self) -> torch.Tensor:
         """The handle as the int64 tensor replication sends."""
         return torch.tensor([self.length, self.pid, self.fd, self.serial, self.capacity,
-                             self.token], dtype=torch.int64)
+                             self.token, self.generation], dtype=torch.int64)
 
     @classmethod
     def from_tensor(cls, values: torch.Tensor) -> SlotHandle:
         """Inverse of :meth:`as_tensor`."""
-        length, pid, fd, serial, capacity, token = (int(v) for v in values.tolist())
-        return cls(length, pid, fd, serial, capacity, token)
+        return cls(*(int(v) for v in values.tolist()))
 
 
 def _process_token() -> int:
@@ -112,9 +122,11 @@ class SharedSlot:
         self.placements: weakref.WeakKeyDictionary[CopyList, tuple[PieceBuffers, ...]] = (
             weakref.WeakKeyDictionary())
 
-    def handle(self, length: int) -> SlotHandle:
-        """The handle of this slot's first ``length`` bytes."""
-        return SlotHandle(length, os.getpid(), self.fd, self.serial, self.capacity, self.token)
+    def handle(self, length: int, generation: int) -> SlotHandle:
+        """The handle of this slot's first ``length`` bytes, sent in its ring's
+        ``generation``."""
+        return SlotHandle(length, os.getpid(), self.fd, self.serial, self.capacity, self.token,
+                          generation)
 
     def view(self, length: int) -> torch.Tensor:
         """The first ``length`` bytes as a uint8 tensor (no copy)."""
@@ -139,6 +151,8 @@ class SlotRing:
         self._epoch = 0
         self._window_start: int | None = None
         self._lock = threading.Lock()
+        # Slots closed so far: a peer's acknowledgements of mapping the others stay valid.
+        self.generation = 0
         self.in_use: list[SharedSlot] = []
         self.free: list[SharedSlot] = []
         self.allocations = 0
@@ -175,6 +189,7 @@ class SlotRing:
                 smallest = min(self.free, key=lambda s: s.capacity)
                 self.free.remove(smallest)
                 smallest.close()
+                self.generation += 1
             slot.epoch, slot.store_held = None, store_held
             self.in_use.append(slot)
             return slot
@@ -206,6 +221,7 @@ class SlotRing:
             for slot in [*self.in_use, *self.free]:
                 slot.close()
             self.in_use, self.free = [], []
+            self.generation += 1
             self._window_start = None
 
     def nbytes(self) -> int:
@@ -249,6 +265,36 @@ class SlotMapper:
         any, keep them mapped)."""
         for key in [k for k in self._mapped if k not in held and k not in self._recent]:
             del self._mapped[key]
+
+
+class MappedSlots:
+    """The slots of one source that one mapping peer acknowledged mapping, in the source
+    ring's current generation. The source keeps one per mapping peer, the peer one per
+    mapped source, and both feed each handle sent between them to it in the same order:
+    so both agree, without a message, on which handles need an acknowledgement (a slot the
+    peer did not acknowledge yet in this generation) and which need none (a slot the peer
+    maps already, and keeps mapped, :meth:`keys`)."""
+
+    def __init__(self) -> None:
+        self._generation: tuple[int, int] | None = None  # (ring token, generation)
+        self._keys: set[tuple[int, int, int]] = set()
+
+    def needs_acknowledgement(self, handle: SlotHandle) -> bool:
+        """Whether the peer acknowledges ``handle``'s slot (call once per handle sent):
+        a new generation forgets every slot acknowledged before."""
+        generation = (handle.token, handle.generation)
+        if generation != self._generation:
+            self._generation = generation
+            self._keys.clear()
+        return slot_key(handle) not in self._keys
+
+    def acknowledged(self, handle: SlotHandle) -> None:
+        """The peer acknowledged mapping ``handle``'s slot."""
+        self._keys.add(slot_key(handle))
+
+    def keys(self) -> set[tuple[int, int, int]]:
+        """The slots acknowledged in the current generation: the peer keeps them mapped."""
+        return set(self._keys)
 
 
 def slot_key(handle: SlotHandle) -> tuple[int, int, int]:

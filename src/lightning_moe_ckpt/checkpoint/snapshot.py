@@ -18,8 +18,11 @@ any wait as stall time (invariant 3: the wait is measured, never hidden).
   wait.
 * CPU: the copy thread performs the copies.
 
-A second thread checksums each snapshot once its copies are done, so the next snapshot's
-copies never wait behind a checksum.
+On CUDA a second thread checksums each snapshot once its copies are done, so the next
+snapshot's copies never wait behind a checksum. On CPU the copy thread checksums what it
+just copied itself: the next snapshot is an iteration away, and CRC32C runs at a few times
+the speed of the copy, while a hand-off to another thread costs a wake-up on cores that
+the ranks share.
 
 Persistent module buffers (a balancing bias, normalisation statistics) are the exception:
 a forward may change them in place before optimizer step ``t+1``, so they are copied at
@@ -115,7 +118,10 @@ class SnapshotEngine:
 
     def __init__(self, registry: OperatorRegistry, state: OptimizerStateAccess, rank: int,
                  device: torch.device, pool: HostBufferPool | None = None,
-                 copy_delay_s: float = 0.0, checksum_threads: int = 1) -> None:
+                 copy_delay_s: float = 0.0, checksum_threads: int = 1,
+                 checksum_thread: bool | None = None) -> None:
+        """``checksum_thread``: whether a thread of its own checksums the copied snapshots
+        (None: on CUDA only, see the module docstring)."""
         self.registry = registry
         self.state = state
         self.rank = rank
@@ -128,10 +134,12 @@ class SnapshotEngine:
         self.stall_s = 0.0
         self.bytes_issued = 0
         self.pieces_issued = 0
-        # Each written by its own thread only: the copy thread and the checksum thread.
+        self.checksum_thread = self.cuda if checksum_thread is None else checksum_thread
+        # Each written by one thread only: the copy thread, and the checksum thread (else
+        # the copy thread checksums too).
         self.pieces_checksummed = 0
         self.copy_cpu_s = 0.0  # the copy thread's CPU time
-        self.checksum_cpu_s = 0.0  # the checksum thread's (its pool threads': checksums')
+        self.checksum_cpu_s = 0.0  # checksumming's (its pool threads' not counted)
         # Time the bulk copies took (CUDA: between events on the side stream), so the
         # snapshot bandwidth achieved can be set against the measured pinned bandwidth.
         self.copy_s = 0.0
@@ -159,7 +167,8 @@ class SnapshotEngine:
         self._to_checksum: queue.Queue[tuple[Snapshot, bool] | None] = queue.Queue()
         self._threads = (
             threading.Thread(target=self._copy_loop, name="snapshot-copy", daemon=True),
-            threading.Thread(target=self._checksum_loop, name="snapshot-checksum", daemon=True))
+            *([threading.Thread(target=self._checksum_loop, name="snapshot-checksum",
+                                daemon=True)] if self.checksum_thread else []))
         for thread in self._threads:
             thread.start()
 
@@ -282,7 +291,8 @@ class SnapshotEngine:
         self.checksums.close()
 
     def _copy_loop(self) -> None:
-        """The copy thread: each snapshot's copies, then its hand-off to the checksum."""
+        """The copy thread: each snapshot's copies, then its hand-off to the checksum
+        thread, or its checksum where there is none."""
         while (job := self._copies.get()) is not None:
             started = time.thread_time()
             usable = True
@@ -297,7 +307,10 @@ class SnapshotEngine:
             usable = usable and job.snapshot.step not in self.interrupted_steps
             job.snapshot.copied.set()
             self.copy_cpu_s += time.thread_time() - started
-            self._to_checksum.put((job.snapshot, usable))
+            if self.checksum_thread:
+                self._to_checksum.put((job.snapshot, usable))
+            else:
+                self._checksum_copied(job.snapshot, usable)
         self._to_checksum.put(None)
 
     def _copy(self, job: _CopyJob) -> None:
@@ -329,18 +342,21 @@ class SnapshotEngine:
         self.copy_s += started.elapsed_time(done) / 1e3
 
     def _checksum_loop(self) -> None:
-        """The checksum thread: every piece of each copied snapshot (except one whose copy a
-        simulated failure cut short), large ones split over :attr:`checksums`."""
+        """The checksum thread: every piece of each copied snapshot (except one whose
+        copy a simulated failure cut short), large ones split over :attr:`checksums`."""
         while (item := self._to_checksum.get()) is not None:
-            started = time.thread_time()
-            snapshot, usable = item
-            if usable:
-                try:
-                    self._checksum(snapshot)
-                except Exception as error:  # pieces left without checksums are refused
-                    self.failure = self.failure or error
-            self.checksum_cpu_s += time.thread_time() - started
-            snapshot.checksummed.set()
+            self._checksum_copied(*item)
+
+    def _checksum_copied(self, snapshot: Snapshot, usable: bool) -> None:
+        """Checksum ``snapshot`` if ``usable``, then tell the replication it is ready."""
+        started = time.thread_time()
+        if usable:
+            try:
+                self._checksum(snapshot)
+            except Exception as error:  # pieces left without checksums are refused
+                self.failure = self.failure or error
+        self.checksum_cpu_s += time.thread_time() - started
+        snapshot.checksummed.set()
 
     def _checksum(self, snapshot: Snapshot) -> None:
         """Checksum every piece of ``snapshot``."""
