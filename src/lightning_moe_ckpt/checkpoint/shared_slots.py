@@ -6,7 +6,7 @@ can outlive is the source *process* — and for that a copy is not needed: memor
 another process maps outlives the process that wrote it. So each rank encodes a snapshot
 once, into a :class:`SharedSlot` (anonymous shared memory from ``memfd_create``), and a
 same-node peer maps that slot (``/proc/<pid>/fd/<fd>``, :class:`SlotMapper`) instead of
-receiving the bytes over the network: replication sends it a handle of six integers
+receiving the bytes over the network: replication sends it a handle of seven integers
 (:class:`SlotHandle`), not the payload. The mapping keeps the bytes alive after the source
 dies, SIGKILL included, for as long as the peer holds them; nothing is named in a file
 system, so nothing is left behind when processes die. Remote peers receive the slot's
