@@ -163,8 +163,10 @@ class SnapshotEngine:
         # raises it in its next wait, rather than training on with snapshots never taken.
         self.failure: BaseException | None = None
         self._copies: queue.Queue[_CopyJob | None] = queue.Queue()
-        # A copied snapshot, and whether to checksum it (its copy completed, uncut).
-        self._to_checksum: queue.Queue[tuple[Snapshot, bool] | None] = queue.Queue()
+        # For the checksum thread (None without one): a copied snapshot, and whether to
+        # checksum it (its copy completed, uncut).
+        self._to_checksum: queue.Queue[tuple[Snapshot, bool] | None] | None = (
+            queue.Queue() if self.checksum_thread else None)
         self._threads = (
             threading.Thread(target=self._copy_loop, name="snapshot-copy", daemon=True),
             *([threading.Thread(target=self._checksum_loop, name="snapshot-checksum",
@@ -307,11 +309,12 @@ class SnapshotEngine:
             usable = usable and job.snapshot.step not in self.interrupted_steps
             job.snapshot.copied.set()
             self.copy_cpu_s += time.thread_time() - started
-            if self.checksum_thread:
+            if self._to_checksum is not None:
                 self._to_checksum.put((job.snapshot, usable))
             else:
                 self._checksum_copied(job.snapshot, usable)
-        self._to_checksum.put(None)
+        if self._to_checksum is not None:
+            self._to_checksum.put(None)
 
     def _copy(self, job: _CopyJob) -> None:
         """``job``'s copies: on the side stream (CUDA), else here."""
@@ -344,6 +347,7 @@ class SnapshotEngine:
     def _checksum_loop(self) -> None:
         """The checksum thread: every piece of each copied snapshot (except one whose
         copy a simulated failure cut short), large ones split over :attr:`checksums`."""
+        assert self._to_checksum is not None  # the thread runs only with its queue
         while (item := self._to_checksum.get()) is not None:
             self._checksum_copied(*item)
 
