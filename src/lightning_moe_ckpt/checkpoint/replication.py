@@ -479,10 +479,14 @@ class Replicator:
         """Wait until ``done()``, filing the sources' announcements meanwhile (two ranks
         may wait on each other); raises after :data:`_PARTNER_TIMEOUT_S`."""
         deadline = time.monotonic() + _PARTNER_TIMEOUT_S
+        pause = _FIRST_POLL_S
         while not done():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank {self.rank}: {what} for {_PARTNER_TIMEOUT_S:.0f} s")
-            time.sleep(_POLL_S)
+            time.sleep(pause)
+            # Longer and longer: a partner a step behind keeps the cores the ranks share
+            # for its training, rather than for this thread's looks.
+            pause = min(2 * pause, _LAST_POLL_S)
             self._file_sources()
 
     def _slowest_filed_epoch(self) -> int:
@@ -518,7 +522,9 @@ class Replicator:
 
 
 _IDLE_FILING_S = 0.5  # how often an idle replication thread files its sources' snapshots
-_POLL_S = 0.001  # a waiting thread's sleep between looks at its partners' pages
+# A waiting thread's sleeps between looks at its partners' pages, doubling from the first.
+_FIRST_POLL_S = 0.0005
+_LAST_POLL_S = 0.016
 _PARTNER_TIMEOUT_S = 120.0  # the longest wait on a live same-node partner
 # How many epochs (windows) a mapping peer may lag in filing before the source waits: the
 # slots of older windows stay unreusable meanwhile, so this bounds the shared memory.
