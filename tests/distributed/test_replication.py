@@ -51,13 +51,16 @@ def test_persisted_window_equals_its_replicas_and_memory_is_bounded(
             assert report["mapped_sources"] == report["mapping_peers"] == []
             assert report["mapped_bytes"] == report["slot_bytes"] == 0
             assert report["acknowledgements"] == 0
+            assert report["exchanges"] == 2 * report["snapshots"]  # lengths, then payloads
             assert report["copied_bytes"] > 0
         else:
             assert report["mapped_sources"] == sorted(sources)
             assert report["mapping_peers"] == sorted(peers)
             assert report["copied_bytes"] == 0 and report["mapped_bytes"] > 0
-            # Each peer acknowledged each slot once, not each snapshot: the snapshots of the
-            # fifth window on lie in slots it maps already, and went out as handles alone.
+            # No message at all: every snapshot was announced in the rank's page. Each peer
+            # filed each slot's first snapshot before that counted replicated, and no
+            # other: the snapshots of the fifth window on lie in slots it maps already.
+            assert report["exchanges"] == 0
             assert report["acknowledgements"] == len(peers) * report["slots"]
             assert report["slots"] < report["snapshots"] - window
             # Its own encoded snapshots: the four windows a peer may still read, plus spare.
@@ -108,11 +111,14 @@ def test_missing_piece_is_refused_by_name() -> None:
 
 @pytest.mark.parametrize("ranks_per_node", [1, 2], ids=["copied", "mapped"])
 def test_a_replication_thread_that_fails_lets_its_partner_stop(ranks_per_node: int) -> None:
-    # Rank 1's thread waits on rank 0 in their last exchange (a gloo send waits for its
-    # receive) when rank 0's thread fails there. Rank 0 destroys its replication group at
-    # once, so rank 1's thread fails too instead of waiting on a rank whose training may
-    # itself be waiting on rank 1 to learn of the failure: rank 1's close, given the 10 s
-    # a survivor's recovery gives it, finds the thread stopped.
+    # Copied: rank 1's thread waits on rank 0 in their last exchange (a gloo send waits
+    # for its receive) when rank 0's thread fails there. Rank 0 destroys its replication
+    # group at once, so rank 1's thread fails too instead of waiting on a rank whose
+    # training may itself be waiting on rank 1 to learn of the failure: rank 1's close,
+    # given the 10 s a survivor's recovery gives it, finds the thread stopped. Mapped:
+    # rank 0 fails before it announces its last snapshot, and marks its page failed; rank
+    # 1's close waits for that announcement, reads the state instead, and stops with an
+    # error just the same.
     ranks = run_distributed(2, replication_partner_failure, make_settings(1, 2, 1, steps=4),
                             4, ranks_per_node)["ranks"]
     assert ranks[0]["staged"] == [3] and "staged" in ranks[0]["error"]

@@ -330,6 +330,7 @@ def replication_check(settings: RunSettings, steps: int, window: int,
                        "mapping_peers": sorted(replicator.mapping_peers),
                        "slot_bytes": replicator.slot_bytes_peak(),
                        "acknowledgements": replicator.acknowledgements,
+                       "exchanges": replicator.exchanges,
                        "slots": 0 if replicator.slots is None else replicator.slots.allocations,
                        "snapshots": coordinator.snapshots_taken}
     if dist.get_rank() == first:

@@ -9,14 +9,22 @@ processes the same sequence and sends match receives. A snapshot counts as repli
 once all its sends completed; the store persists a window when all its snapshots are.
 
 A peer on the same node (``share_same_node``, tested with a probe at set-up) maps the
-snapshot's shared-memory slot instead of receiving a copy (:mod:`.shared_slots`): it is
-sent the slot's handle, and holds the source's bytes for as long as it keeps them, after
-the source's death too. Each snapshot goes out as a handle to every peer first (the
-payload's length, and for a mapping peer where to find it); then the copying peers receive
-the bytes while a mapping peer that maps the slot for the first time acknowledges it. A
-slot comes back every few windows, and a peer keeps the slots it acknowledged mapped
-(:class:`~.shared_slots.MappedSlots`), so in steady state a snapshot of a rank whose peers
-all map its memory takes one exchange of handles, and no second one.
+snapshot's shared-memory slot instead of receiving a copy (:mod:`.shared_slots`), and is
+told of it without a message (:mod:`.announcements`): the source writes the slot's handle
+into its announcement page, which the peer mapped at set-up, and goes on; the peer files
+what its sources announced whenever its own replication thread runs. A snapshot in a slot
+every mapping peer already maps (and keeps mapped, :class:`~.shared_slots.MappedSlots`)
+counts replicated once announced: the peer holds the slot and the page, so it can file
+the snapshot even after the source died. One in a new slot (the first windows, a new plan
+size) counts once every mapping peer filed it, and so mapped the slot: the thread waits
+for that, filing its own sources' announcements meanwhile (two ranks may wait on each
+other's), as it would wait for an exchange. Only copying
+partners exchange messages, over gloo as above; a rank whose partners all map its memory
+sends none. When the thread is asked to drain (a recovery, the end of a run) it waits
+until it filed as many snapshots of each mapped source as it took itself, and its own
+new slots are filed, so every rank holds then what the lock-step exchange would have
+given it. A partner that stopped (an error, or it closed) or died ends replication here
+as a failed exchange does.
 
 Peers keep the serialized snapshots of each source rank in a
 :class:`~.replica_store.ReplicaStore` (encoded piece by piece, see
@@ -27,6 +35,7 @@ missing or corrupt piece, naming rank, operator and iteration.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -36,6 +45,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_moe_ckpt.checkpoint.announcements import (
+    RECORDS,
+    Announcement,
+    AnnouncementPage,
+    Liveness,
+    PartnerState,
+    page_bytes,
+)
 from lightning_moe_ckpt.checkpoint.codec import (
     CorruptCheckpointError,
     decode_snapshot,
@@ -104,27 +121,42 @@ class Replicator:
         node = self.rank // ranks_per_node
         same_node = ({s for s in self.sources if s // ranks_per_node == node}
                      if share_same_node else set())
+        partners = mappable_sources(group, self.sources, same_node, page_bytes(self.world_size))
         # Sources whose slots this rank maps, and peers that map this rank's slots.
-        self.mapped_sources, self.mapping_peers = mappable_sources(group, self.sources,
-                                                                   same_node)
-        self.slots = SlotRing() if self.mapping_peers else None
+        self.mapped_sources, self.mapping_peers = partners.mapped, partners.mapping
+        # This rank's announcement page, which its mapping peers mapped, and its mapped
+        # sources' pages, with how many announcements of each it filed.
+        self._page = (None if partners.page is None
+                      else AnnouncementPage(partners.page.memory, self.world_size))
+        self._source_pages = {s: AnnouncementPage(memory, self.world_size)
+                              for s, memory in sorted(partners.source_pages.items())}
+        self._filed = dict.fromkeys(self._source_pages, 0)
+        self._liveness = {r: Liveness(pid) for r, pid in partners.pids.items()}
+        self._announced = 0
+        self._processed = 0  # snapshots this thread handled: each source announces as many
+        # Drained, and nothing taken since: a source waits for nothing this rank files.
+        self._quiet = False
+        self.slots = SlotRing(self._slowest_filed_epoch) if self.mapping_peers else None
         # Where snapshots may be copied straight into the slots (host copies, a store that
         # lets go of whole snapshots: the coordinator decides).
         self.placement = None if self.slots is None else SlotPlacement(self.slots)
-        # Receive buffers of the small messages, reused: the sources' slot handles and the
-        # mapping peers' acknowledgements (read before the next exchange overwrites them).
-        self._handle_buffers = {s: torch.zeros(SlotHandle.FIELDS, dtype=torch.int64)
-                                for s in self.sources}
-        self._ack_buffers = {p: torch.zeros(1, dtype=torch.int64) for p in self.mapping_peers}
-        # Which slots each mapping peer acknowledged, as this rank and that peer both track
-        # it: the peers' of this rank's slots, and this rank's of each mapped source's.
+        # Partners that copy: they exchange the payload's length, then the payload.
+        self._copy_sources = [s for s in self.sources if s not in self.mapped_sources]
+        self._copy_peers = [p for p in self.peers if p not in self.mapping_peers]
+        self._length_buffers = {s: torch.zeros(1, dtype=torch.int64)
+                                for s in self._copy_sources}
+        self._length = torch.zeros(1, dtype=torch.int64)
+        # Which slots each mapping peer acknowledged (filed), as this rank and that peer
+        # both track it: the peers' of this rank's slots, and this rank's of each source's.
         self._acknowledged_by = {p: MappedSlots() for p in self.mapping_peers}
         self._acknowledged_to = {s: MappedSlots() for s in self.mapped_sources}
-        self.acknowledgements = 0  # received: the slots a mapping peer mapped afresh
+        self.acknowledgements = 0  # the slots a mapping peer mapped afresh
+        self.exchanges = 0  # gloo exchanges with copying partners (two per snapshot)
         self.mapper = SlotMapper()
         self.on_replicated = on_replicated
-        # Called in the replication thread with a snapshot's step once the sizes went out
-        # and before its payload does: where a real fault "during replication" strikes.
+        # Called in the replication thread with a snapshot's step once its size went out
+        # to the copying peers and before its payload (or announcement) does: where a real
+        # fault "during replication" strikes.
         self.before_payload: Callable[[int], None] | None = None
         self.submitted = 0
         self.completed = 0
@@ -135,7 +167,7 @@ class Replicator:
         # group destroys this one, and the thread must not destroy it at the same time.
         self._abandoned = False
         self._group_lock = threading.Lock()
-        self._queue: queue.Queue[Snapshot | None] = queue.Queue()
+        self._queue: queue.Queue[Snapshot | _Drain | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="snapshot-replication",
                                         daemon=True)
         self._thread.start()
@@ -148,6 +180,7 @@ class Replicator:
     def submit(self, snapshot: Snapshot) -> None:
         """Replicate ``snapshot`` once its copies are checksummed."""
         self.submitted += 1
+        self._quiet = False
         self._queue.put(snapshot)
 
     def close(self, timeout_s: float | None = None) -> bool:
@@ -168,10 +201,14 @@ class Replicator:
                 self._abandoned = True
                 return False
             self._destroy_group()
+        for liveness in self._liveness.values():
+            liveness.close()
         return True
 
     def drain(self) -> None:
-        """Wait until every submitted snapshot is replicated (the thread keeps running)."""
+        """Wait until every submitted snapshot is replicated, and this rank filed as many
+        snapshots of each source as it took (the thread keeps running)."""
+        self._queue.put(_DRAIN)
         self._queue.join()
 
     def fetch_window(self, source: int, window_start: int,
@@ -226,29 +263,65 @@ class Replicator:
         return self.group
 
     def _run(self) -> None:
-        while (snapshot := self._queue.get()) is not None:
+        while True:
+            try:  # idle, it files now and then: a source may be waiting on a new slot
+                item = self._queue.get(timeout=_IDLE_FILING_S if self._files_when_idle()
+                                       else None)
+            except queue.Empty:
+                self._guarded(self._file_sources)
+                continue
+            if item is None:
+                break
             started = time.thread_time()
             try:
-                if self.error is None:  # else the group is broken: nothing is replicated
-                    self._replicate(snapshot)
-                elif snapshot.backing is not None:  # no peer will hold it
-                    snapshot.backing.ring.sent(snapshot.backing.slot, to_peers=False)
-            except (RuntimeError, dist.DistBackendError, OSError) as error:
-                # OSError: a source died before this rank could map its slot. Kept without
-                # its traceback, whose frames would keep the transfer, and so the group,
-                # alive after close().
-                self.error = error.with_traceback(None)
-                # A partner's thread may be blocked on this rank in the same exchange (a
-                # gloo send waits for its receive): destroyed now, the group fails it at
-                # once. Left to the recovery, it would wait until this rank's training
-                # learned of the failure, which can wait on that partner.
-                with self._group_lock:
-                    if not self._abandoned:
-                        self._destroy_group()
+                if isinstance(item, _Drain):
+                    if self.error is None:
+                        self._guarded(self._settle)
+                elif self.error is None:  # else the group is broken: nothing is replicated
+                    self._guarded(self._replicate, item)
+                elif item.backing is not None:  # no peer will hold it
+                    item.backing.ring.sent(item.backing.slot, to_peers=False)
             finally:
                 self.thread_cpu_s += time.thread_time() - started
                 self._queue.task_done()
+        if self.error is None and self._guarded(self._settle):
+            self._stop(PartnerState.CLOSED)
         self._queue.task_done()
+
+    def _files_when_idle(self) -> bool:
+        return bool(self._source_pages) and not self._quiet and self.error is None
+
+    def _guarded(self, work: Callable[..., None], *args: Any) -> bool:
+        """Run ``work``; on a failed transfer or partner, stop replicating. Returns whether
+        it succeeded."""
+        try:
+            work(*args)
+        except (RuntimeError, dist.DistBackendError, OSError) as error:
+            # OSError: a source died before this rank could map its slot. Kept without
+            # its traceback, whose frames would keep the transfer, and so the group,
+            # alive after close().
+            self.error = error.with_traceback(None)
+            self._stop(PartnerState.FAILED)
+            # A partner's thread may be blocked on this rank in the same exchange (a
+            # gloo send waits for its receive): destroyed now, the group fails it at
+            # once. Left to the recovery, it would wait until this rank's training
+            # learned of the failure, which can wait on that partner.
+            with self._group_lock:
+                if not self._abandoned:
+                    self._destroy_group()
+            return False
+        return True
+
+    def _stop(self, state: PartnerState) -> None:
+        """Tell the same-node partners this rank stopped, then file what its sources
+        announced: one that announced before it saw the state may count on that."""
+        if self._page is not None:
+            self._page.set_state(state)
+        for page in self._source_pages.values():
+            page.set_peer_state(self.rank, state)
+        # OSError: a source died before its new slot was mapped here (not replicated).
+        with contextlib.suppress(OSError):
+            self._file_sources()
 
     def _destroy_group(self) -> None:
         """Destroy the replication group and drop this replicator's reference: a gloo
@@ -260,6 +333,8 @@ class Replicator:
     def _replicate(self, snapshot: Snapshot) -> None:
         """Send ``snapshot`` to the peers and receive the sources' of the same step."""
         snapshot.checksummed.wait()
+        self._processed += 1
+        self._quiet = False  # (submit() said so too, but a drain may have come between)
         data, handle, slot = self._encode(snapshot)
         try:
             self._send(snapshot, data, handle)
@@ -268,46 +343,156 @@ class Replicator:
                 self.slots.sent(slot)
 
     def _send(self, snapshot: Snapshot, data: torch.Tensor, handle: SlotHandle) -> None:
-        """Exchange ``snapshot`` (encoded as ``data``, found through ``handle``) with the
-        peers, and the sources' of the same step."""
-        group = self.live_group()
-        handles = self._handle_buffers
-        sent = handle.as_tensor()
-        _exchange(group, [(handles[s], s) for s in self.sources], [(sent, p) for p in self.peers])
-        announced = {s: SlotHandle.from_tensor(handles[s]) for s in self.sources}
-        # Mapped before the acknowledgement goes back: from then on the source may let go
-        # of the slot's file descriptor (its memory lives on in the mapping). A slot
-        # acknowledged before is mapped already (kept so below): nothing goes back.
-        mapped = {s: self.mapper.view(announced[s]) for s in self.mapped_sources}
-        acknowledging = [s for s in self.mapped_sources
-                         if self._acknowledged_to[s].needs_acknowledgement(announced[s])]
-        acknowledged = [p for p in self.mapping_peers
-                        if self._acknowledged_by[p].needs_acknowledgement(handle)]
+        """Announce ``snapshot`` (encoded as ``data``, found through ``handle``) to the
+        mapping peers, exchange it with the copying ones, and file the sources' of the
+        same step."""
+        start = snapshot.plan.window_start
+        copying = bool(self._copy_sources or self._copy_peers)
+        if copying:
+            group = self.live_group()
+            self._length[0] = data.numel()
+            lengths = self._length_buffers
+            _exchange(group, [(lengths[s], s) for s in self._copy_sources],
+                      [(self._length, p) for p in self._copy_peers])
+            self.exchanges += 1
         if self.before_payload is not None:
             self.before_payload(snapshot.step)
-        received = {s: self.replicas.buffer(announced[s].length) for s in self.sources
-                    if s not in self.mapped_sources}
-        _exchange(group,
-                  [*((buffer, s) for s, buffer in received.items()),
-                   *((self._ack_buffers[p], p) for p in acknowledged)],
-                  [*((_MAPPED, s) for s in acknowledging),
-                   *((data, p) for p in self.peers if p not in self.mapping_peers)])
-        for source in acknowledging:
-            self._acknowledged_to[source].acknowledged(announced[source])
-        for peer in acknowledged:
-            self._acknowledged_by[peer].acknowledged(handle)
-        self.acknowledgements += len(acknowledged)
-        start = snapshot.plan.window_start
-        for source, payload in received.items():
-            self.replicas.put(source, start, snapshot.step, payload)
-        for source, view in mapped.items():
-            self.replicas.put(source, start, snapshot.step, view,
-                              slot=slot_key(announced[source]))
-        if mapped:
-            self.mapper.keep_only(self.replicas.mapped_slots().union(
-                *(known.keys() for known in self._acknowledged_to.values())))
+        # The announcement is a mapping peer's payload: it goes out here.
+        waiting = self._announce(handle, start, snapshot.step) if self._page is not None else ()
+        self._file_sources()
+        if copying:
+            received = {s: self.replicas.buffer(int(lengths[s][0])) for s in self._copy_sources}
+            _exchange(group, [(buffer, s) for s, buffer in received.items()],
+                      [(data, p) for p in self._copy_peers])
+            self.exchanges += 1
+            for source, payload in received.items():
+                self.replicas.put(source, start, snapshot.step, payload)
+        if waiting:  # peers that do not map the slot yet: replicated once they filed it
+            seq = self._announced
+            self._wait(lambda: all(self._filed_by(peer, seq, check_alive=True)
+                                   for peer in waiting),
+                       "waited for a replica peer to map a new slot")
+            self.acknowledgements += len(waiting)
         self.completed += 1
         self.on_replicated(start, snapshot.step)
+
+    def _announce(self, handle: SlotHandle, window_start: int, step: int) -> tuple[int, ...]:
+        """Write ``handle`` into this rank's page; returns the mapping peers that must
+        file it before it counts replicated (those that do not map its slot yet)."""
+        assert self._page is not None and self.slots is not None  # they come together
+        page, epoch = self._page, self.slots.epoch
+        seq = self._announced + 1
+        self._wait(lambda: all(not self._lags(peer, seq, epoch) for peer in self.mapping_peers),
+                   "waited for a replica peer to file its snapshots")
+        page.announce(Announcement(seq, handle, window_start, step, epoch))
+        self._announced = seq
+        waiting = []
+        for peer in sorted(self.mapping_peers):
+            if self._acknowledged_by[peer].needs_acknowledgement(handle):
+                # Counted now: the snapshot counts replicated only once the peer filed it,
+                # and from then on the peer keeps the slot mapped.
+                self._acknowledged_by[peer].acknowledged(handle)
+                waiting.append(peer)
+            else:  # read after the announcement: a peer that stops files first
+                self._filed_by(peer, seq)
+        return tuple(waiting)
+
+    def _lags(self, peer: int, seq: int, epoch: int) -> bool:
+        """Whether ``peer`` filed too little for announcement ``seq`` of ``epoch`` to go
+        out: its record in the ring is not free, or slots the source would reuse are
+        held back. Raises if the peer can no longer catch up."""
+        assert self._page is not None
+        filed, filed_epoch = self._page.filed(peer)
+        if seq - filed < RECORDS and filed_epoch >= epoch - _LAG_EPOCHS:
+            return False
+        return not self._filed_by(peer, seq - 1, check_alive=True)  # raises if it never will
+
+    def _filed_by(self, peer: int, seq: int, check_alive: bool = False) -> bool:
+        """Whether ``peer`` filed announcement ``seq``; raises if it has not and never will
+        (it stopped, or, where ``check_alive``, died)."""
+        assert self._page is not None
+        if self._page.filed(peer)[0] >= seq:
+            return True
+        state = self._page.peer_state(peer)
+        if state is not PartnerState.RUNNING:
+            raise RuntimeError(f"rank {self.rank}: replica peer {peer} stopped replicating "
+                               f"({state.name.lower()})")
+        if check_alive and not self._liveness[peer].alive():
+            raise RuntimeError(f"rank {self.rank}: replica peer {peer} died")
+        return False
+
+    def _file_sources(self) -> None:
+        """File what the mapped sources announced so far."""
+        filed = False
+        for source, page in self._source_pages.items():
+            filed |= self._file(source, page)
+        if filed:
+            self.mapper.keep_only(self.replicas.mapped_slots().union(
+                *(known.keys() for known in self._acknowledged_to.values())))
+
+    def _file(self, source: int, page: AnnouncementPage) -> bool:
+        """File ``source``'s announcements after those filed before; returns whether there
+        were any. The cell is written once they are filed (and their slots mapped)."""
+        seq = self._filed[source]
+        newest: Announcement | None = None
+        while (announced := page.read(seq + 1)) is not None:
+            view = self.mapper.view(announced.handle)  # OSError: the source died first
+            known = self._acknowledged_to[source]
+            if known.needs_acknowledgement(announced.handle):
+                known.acknowledged(announced.handle)
+            self.replicas.put(source, announced.window_start, announced.step, view,
+                              slot=slot_key(announced.handle))
+            seq, newest = announced.seq, announced
+        if newest is None:
+            return False
+        self._filed[source] = seq
+        page.file(self.rank, seq, newest.epoch)
+        return True
+
+    def _settle(self) -> None:
+        """Drain: wait until this rank's snapshots are replicated and it filed as many of
+        each source's as it took; then quiet until the next snapshot."""
+        self._wait(self._settled, "waited for its replication partners to catch up")
+        self._quiet = True
+
+    def _settled(self) -> bool:
+        """Whether the drain is done; raises where a partner failed (as a failed exchange
+        fails its partners), or stopped or died with snapshots still to announce."""
+        self._file_sources()
+        behind = [s for s, filed in self._filed.items() if filed < self._processed]
+        for source, page in self._source_pages.items():
+            state = page.source_state()
+            if state is PartnerState.FAILED or (source in behind
+                                                and state is not PartnerState.RUNNING):
+                raise RuntimeError(f"rank {self.rank}: replica source {source} stopped "
+                                   f"replicating ({state.name.lower()})")
+            if source in behind and not self._liveness[source].alive():
+                raise RuntimeError(f"rank {self.rank}: replica source {source} died")
+        for peer in self.mapping_peers:
+            assert self._page is not None  # it comes with mapping peers
+            if self._page.peer_state(peer) is PartnerState.FAILED:
+                raise RuntimeError(f"rank {self.rank}: replica peer {peer} stopped "
+                                   "replicating (failed)")
+        return not behind
+
+    def _wait(self, done: Callable[[], bool], what: str) -> None:
+        """Wait until ``done()``, filing the sources' announcements meanwhile (two ranks
+        may wait on each other); raises after :data:`_PARTNER_TIMEOUT_S`."""
+        deadline = time.monotonic() + _PARTNER_TIMEOUT_S
+        pause = _FIRST_POLL_S
+        while not done():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {self.rank}: {what} for {_PARTNER_TIMEOUT_S:.0f} s")
+            time.sleep(pause)
+            # Longer and longer: a partner a step behind keeps the cores the ranks share
+            # for its training, rather than for this thread's looks.
+            pause = min(2 * pause, _LAST_POLL_S)
+            self._file_sources()
+
+    def _slowest_filed_epoch(self) -> int:
+        """The epoch of the newest snapshot the slowest mapping peer filed."""
+        assert self._page is not None
+        return min(self._page.filed(peer)[1] for peer in self.mapping_peers)
 
     def _encode(self, snapshot: Snapshot
                 ) -> tuple[torch.Tensor, SlotHandle, SharedSlot | None]:
@@ -336,7 +521,21 @@ class Replicator:
         return 0 if self.slots is None else self.slots.peak_bytes
 
 
-_MAPPED = torch.ones(1, dtype=torch.int64)  # a peer's acknowledgement: it maps the slot
+_IDLE_FILING_S = 0.5  # how often an idle replication thread files its sources' snapshots
+# A waiting thread's sleeps between looks at its partners' pages, doubling from the first.
+_FIRST_POLL_S = 0.0005
+_LAST_POLL_S = 0.016
+_PARTNER_TIMEOUT_S = 120.0  # the longest wait on a live same-node partner
+# How many epochs (windows) a mapping peer may lag in filing before the source waits: the
+# slots of older windows stay unreusable meanwhile, so this bounds the shared memory.
+_LAG_EPOCHS = 3
+
+
+class _Drain:
+    """The replication thread's cue to catch up with its partners (:meth:`Replicator.drain`)."""
+
+
+_DRAIN = _Drain()
 
 
 def _exchange(group: dist.ProcessGroup, receives: list[tuple[torch.Tensor, int]],

@@ -6,31 +6,31 @@ can outlive is the source *process* — and for that a copy is not needed: memor
 another process maps outlives the process that wrote it. So each rank encodes a snapshot
 once, into a :class:`SharedSlot` (anonymous shared memory from ``memfd_create``), and a
 same-node peer maps that slot (``/proc/<pid>/fd/<fd>``, :class:`SlotMapper`) instead of
-receiving the bytes over the network: replication sends it a handle of seven integers
-(:class:`SlotHandle`), not the payload. The mapping keeps the bytes alive after the source
-dies, SIGKILL included, for as long as the peer holds them; nothing is named in a file
-system, so nothing is left behind when processes die. Remote peers receive the slot's
-bytes as before, so encoding into a slot costs them nothing extra.
+receiving the bytes over the network: replication tells it a handle of seven integers
+(:class:`SlotHandle`), not the payload, through the source's announcement page
+(:mod:`.announcements`). The mapping keeps the bytes alive after the source dies, SIGKILL
+included, for as long as the peer holds them; nothing is named in a file system, so
+nothing is left behind when processes die. Remote peers receive the slot's bytes as
+before, so encoding into a slot costs them nothing extra.
 
-Slots are reused (:class:`SlotRing`): a peer keeps a source's two newest windows, and it
-has filed the snapshot before last by the time the source sends the next one (a peer posts
-its receive of the next handle only after it filed this one, and a gloo send waits for its
-receive), so a slot is rewritten only once the replication
-thread has sent snapshots of four later windows (counted in the order it sends them, which
-may lag the order snapshots are taken in). A slot may also hold a snapshot from the moment
-it is taken (:mod:`.slot_placement`): then the rank's own store holds it as well, and the
-slot is rewritten only once the store let go too. A rank whose snapshots a recovery
+Slots are reused (:class:`SlotRing`): a peer keeps a source's two newest windows, so a slot
+is rewritten only once every mapping peer filed a snapshot two windows past the one in it
+(the peers say how far they filed in the source's page), and no sooner than four windows
+after the replication thread sent it (counted in the order it sends them, which may lag
+the order snapshots are taken in). A slot may also hold a snapshot from the moment it is
+taken (:mod:`.slot_placement`): then the rank's own store holds it as well, and the slot
+is rewritten only once the store let go too. A rank whose snapshots a recovery
 superseded, or whose host memory a simulated failure took, abandons its slots
 (:meth:`SlotRing.abandon`) instead: the peers' mappings keep the old bytes for as long as
 they need them, and new snapshots go to new slots.
 
-A peer acknowledges a slot once, when it first maps it (:class:`MappedSlots`): from then on
-it keeps the mapping while the slot lives, so a snapshot in a slot the peer already maps
-needs no message back, only its handle, as a copy needs only its send. Source and peer
-know alike which handles need an acknowledgement, without telling each other: both track
-the slots acknowledged in the source ring's current *generation*, which the handle
-carries and which changes whenever the source closes a slot (both then forget, and the
-peer lets go of mappings it holds nothing in).
+A peer maps a slot once, when it files the first snapshot in it (:class:`MappedSlots`):
+from then on it keeps the mapping while the slot lives, so a snapshot in a slot the peer
+already maps counts replicated as soon as it is announced, and only one in a new slot
+waits until the peer filed it. Source and peer know alike which is which, without
+telling each other: both track the slots acknowledged (mapped) in the source ring's
+current *generation*, which the handle carries and which changes whenever the source
+closes a slot (both then forget, and the peer lets go of mappings it holds nothing in).
 
 Whether a peer can map a source's memory (same node and PID namespace, an OS that allows
 it) is tested once per replication group with a random token (:func:`mappable_sources`);
@@ -44,7 +44,8 @@ import os
 import secrets
 import threading
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -145,8 +146,11 @@ class SlotRing:
     The training thread (placing a snapshot, its store releasing one) and the replication
     thread (encoding, sending) both use the ring: its bookkeeping runs under a lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, filed_epoch: Callable[[], int] | None = None) -> None:
+        """``filed_epoch``: the epoch of the newest snapshot the slowest mapping peer filed
+        (None: peers file each snapshot before the next is sent)."""
         self.token = _process_token()
+        self._filed_epoch = filed_epoch
         self._serial = 0
         self._epoch = 0
         self._window_start: int | None = None
@@ -161,7 +165,7 @@ class SlotRing:
     def advance(self, window_start: int) -> None:
         """The replication thread is about to send a snapshot of the window at
         ``window_start``: a new window is a new epoch, and slots sent four epochs ago that
-        nothing else holds become free."""
+        nothing else holds (and the peers filed past) become free."""
         with self._lock:
             if window_start == self._window_start:
                 return
@@ -206,8 +210,15 @@ class SlotRing:
         with self._lock:
             slot.store_held = False
 
+    @property
+    def epoch(self) -> int:
+        """The current epoch: windows the replication thread began sending so far."""
+        return self._epoch
+
     def _reclaim(self) -> None:
         oldest = self._epoch - _KEEP_EPOCHS
+        if self._filed_epoch is not None:  # a peer drops a window two windows on
+            oldest = min(oldest, self._filed_epoch() - 2)
         reusable = [s for s in self.in_use
                     if not s.store_held and s.epoch is not None and s.epoch <= oldest]
         if reusable:
@@ -310,41 +321,60 @@ def _map(pid: int, fd: int, capacity: int) -> mmap.mmap:
         os.close(descriptor)  # the mapping holds the memory from here on
 
 
-def mappable_sources(group: dist.ProcessGroup, sources: list[int],
-                     candidates: set[int]) -> tuple[set[int], set[int]]:
+@dataclass
+class SameNodePartners:
+    """What :func:`mappable_sources` found: the sources whose slots this rank maps
+    (``mapped``) and the peers that map this rank's (``mapping``); this rank's page, which
+    the mapping peers mapped (None without any), the mapped sources' pages, as mapped
+    here, and every partner's pid."""
+
+    mapped: set[int]
+    mapping: set[int]
+    page: SharedSlot | None = None
+    source_pages: dict[int, mmap.mmap] = field(default_factory=dict)
+    pids: dict[int, int] = field(default_factory=dict)
+
+
+def mappable_sources(group: dist.ProcessGroup, sources: list[int], candidates: set[int],
+                     page_bytes: int = 0) -> SameNodePartners:
     """Which replication partners can share memory with this rank (collective on
     ``group``: every rank calls it once, with its own ``sources`` and the
     ``candidates`` among them and its peers that are on its node).
 
-    Each rank writes a random token into a probe slot; every rank tries to map the probes
-    of its candidate sources and compares the token. Returns ``(mapped, mapping)``: the
-    sources whose slots this rank maps, and the peers that map this rank's slots. Without
+    Each rank writes a random token into a probe slot of ``page_bytes`` (and room for the
+    token behind them); every rank tries to map the probes of its candidate sources and
+    compares the token. The probe is kept as the rank's page where some peer maps it, and
+    so are the mappings of the sources' (:mod:`.announcements` uses them). Without
     ``memfd_create`` (not Linux) nothing is shared, on any rank alike, and nothing is
     exchanged."""
     if not SHARED_MEMORY:
-        return set(), set()
-    probe = SharedSlot(0, _PAGE, _process_token())
+        return SameNodePartners(set(), set())
+    capacity = -(-(page_bytes + _PROBE_BYTES) // _PAGE) * _PAGE
+    probe = SharedSlot(0, capacity, _process_token())
     token = secrets.token_bytes(_PROBE_BYTES)
-    probe.data[:_PROBE_BYTES] = token
+    probe.data[capacity - _PROBE_BYTES:] = token  # behind the page, which starts zeroed
     world = dist.get_world_size(group)
-    offers: list[tuple[int, int, bytes] | None] = [None] * world
-    dist.all_gather_object(offers, (os.getpid(), probe.fd, token), group=group)
-    mapped = set()
+    offers: list[tuple[int, int, int, bytes] | None] = [None] * world
+    dist.all_gather_object(offers, (os.getpid(), probe.fd, capacity, token), group=group)
+    pages = {}
     for source in sources:
         offer = offers[source]
         if source not in candidates or offer is None:
             continue
-        pid, fd, expected = offer
+        pid, fd, size, expected = offer
         try:
-            memory = _map(pid, fd, _PAGE)
+            memory = _map(pid, fd, size)
         except OSError:  # another node, another PID namespace, or not allowed
             continue
-        if memory[:_PROBE_BYTES] == expected:
-            mapped.add(source)
-        memory.close()
+        if memory[size - _PROBE_BYTES:size] == expected:
+            pages[source] = memory
+        else:
+            memory.close()
     verdicts: list[set[int] | None] = [None] * world
-    dist.all_gather_object(verdicts, mapped, group=group)
-    probe.close()
+    dist.all_gather_object(verdicts, set(pages), group=group)
     me = dist.get_rank(group)
     mapping = {peer for peer, theirs in enumerate(verdicts) if theirs and me in theirs}
-    return mapped, mapping
+    pids = {rank: offer[0] for rank, offer in enumerate(offers)
+            if offer is not None and (rank in pages or rank in mapping)}
+    probe.close()  # the peers mapped it already: its memory lives on in the mapping
+    return SameNodePartners(set(pages), mapping, probe if mapping else None, pages, pids)
