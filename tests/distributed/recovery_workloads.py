@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
+from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
 from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
 from lightning_moe_ckpt.parallel.engine import build_parallel_engine
 from lightning_moe_ckpt.parallel.topology import Coordinates
@@ -133,14 +134,17 @@ def recovery_error(settings: RunSettings, window: int, events: list[dict[str, An
 
 
 def ahead_run(settings: RunSettings, window: int, step: int, failed: tuple[int, ...],
-              ahead: tuple[int, ...], fold_ahead_into_failed: bool) -> dict[str, Any]:
+              ahead: tuple[int, ...], fold_ahead_into_failed: bool,
+              lagging: tuple[int, ...] = ()) -> dict[str, Any]:
     """Train with a real failure seen late: before ``step`` the ``failed`` ranks lose their
     state and the ``ahead`` ranks' live state runs past the others' (their parameters
     move, as iteration ``step``'s update would move them), then everyone calls
     :func:`recover` as the real-failure handler does. ``fold_ahead_into_failed`` makes
     the request treat the ahead ranks as failed (their host memory dropped), the way a
-    survivor ahead used to be recovered. Returns rank 0's consolidated state and losses,
-    and every rank's rolled-back ranks and paused calls."""
+    survivor ahead used to be recovered. The ``lagging`` ranks' newest window counts as
+    not persisted yet (:func:`_lag_persisted_window`). Returns rank 0's consolidated
+    state and losses, and every rank's rolled-back ranks, paused calls and the window
+    it recovered from."""
     from lightning_moe_ckpt.recovery.entry import RecoveryRequest, recover
     from lightning_moe_ckpt.recovery.faults import destroy_rank_state
 
@@ -162,6 +166,8 @@ def ahead_run(settings: RunSettings, window: int, step: int, failed: tuple[int, 
         for t in range(settings.max_steps):
             if t == step:
                 coordinator.snapshots.wait_copies()
+                if rank in lagging:
+                    _lag_persisted_window(coordinator)
                 if rank in failed:
                     destroy_rank_state(engine.model, engine.optimizer, [log.drop])
                 elif rank in ahead:
@@ -175,7 +181,9 @@ def ahead_run(settings: RunSettings, window: int, step: int, failed: tuple[int, 
                 outcome = recover(request, coordinator, log)
                 facts = {"rolled_back": outcome.rolled_back,
                          "paused": outcome.report is None,
-                         "calls": engine.forward_backward_calls - calls}
+                         "calls": engine.forward_backward_calls - calls,
+                         "window_start": None if outcome.report is None
+                         else outcome.report.window_start}
             losses.append(float(engine.train_iteration(*sampler.iteration(t, shard)).loss))
     finally:
         checkpointing.close()
@@ -183,6 +191,33 @@ def ahead_run(settings: RunSettings, window: int, step: int, failed: tuple[int, 
     everything: list[Any] = [None] * world
     dist.all_gather_object(everything, facts)
     return {"state": state, "losses": losses, "ranks": everything}
+
+
+def _lag_persisted_window(coordinator: CheckpointCoordinator) -> None:
+    """This rank's newest persisted window counts as not persisted yet, as when its replica
+    peers had not filed its last snapshot when the failure struck: the store's persisted
+    window goes back to the one before, which this rank itself no longer holds and whose
+    copies the holders of the other ranks dropped already."""
+    coordinator.drain()
+    store = coordinator.store
+    newest = store.persisted_start
+    assert newest is not None and newest - store.windows[newest].window >= 0, newest
+    record = store.windows[newest]
+    record.replicated.discard(max(record.snapshots))
+    store.persisted_start = newest - record.window
+
+
+def lagging_scenario(settings: RunSettings, window: int, step: int, failed: tuple[int, ...],
+                     lagging: tuple[int, ...]) -> dict[str, Any]:
+    """The fault-free run and :func:`ahead_run` with ``lagging`` ranks; rank 0's
+    comparison."""
+    golden_state, golden_losses = distributed_run(settings)
+    run = ahead_run(settings, window, step, failed, (), fold_ahead_into_failed=False,
+                    lagging=lagging)
+    return {"ranks": run["ranks"],
+            "state_mismatches": None if golden_state is None
+            else state_mismatches(golden_state, run["state"]),
+            "losses_after": run["losses"][step:], "golden_after": golden_losses[step:]}
 
 
 def ahead_scenarios(settings: RunSettings, window: int, step: int, failed: tuple[int, ...],

@@ -15,7 +15,9 @@ off all of them do.
 
 A real failure seen late can leave a survivor one iteration *ahead* of the others: it
 rolls back with its stage, but from its own host memory, so a window the failed rank's
-replica on it holds stays usable.
+replica on it holds stays usable. A survivor can also lag: its replica peers had not filed
+its newest window yet, so the newest window every rank persisted is one the holders of
+the others dropped; the ranks then agree on the newer window.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from typing import Any
 import pytest
 
 from tests.distributed.harness import run_distributed
-from tests.distributed.recovery_workloads import ahead_scenarios, scenario_matrix
+from tests.distributed.recovery_workloads import (
+    ahead_scenarios,
+    lagging_scenario,
+    scenario_matrix,
+)
 from tests.distributed.workloads import make_settings
 
 pytestmark = pytest.mark.distributed
@@ -95,3 +101,18 @@ def test_a_survivor_ahead_rolls_back_from_its_own_host_memory(
         assert facts["paused"] == (rank not in scope), rank
         if rank not in scope:
             assert facts["calls"] == 0, rank
+
+
+def test_a_rank_whose_replicas_lag_does_not_hold_the_recovery_back() -> None:
+    """Rank 3 fails at step 7 while rank 0's newest window (3) is not persisted yet (its
+    replica peer had not filed it): the newest window every rank persisted is window 0,
+    whose copy of rank 3 rank 0 dropped when it filed rank 3's window 6. The ranks agree on
+    window 3 instead, which rank 0 holds complete in its own host memory, and the run
+    ends bitwise equal to the fault-free one."""
+    settings = make_settings(PP, 1, 1, steps=STEPS)
+    result = run_distributed(4, lagging_scenario, settings, WINDOW, 7, (3,), (0,))
+    assert result["state_mismatches"] == []
+    assert result["losses_after"] == result["golden_after"]
+    recovered = result["ranks"][3]
+    assert recovered["rolled_back"] == [3] and recovered["window_start"] == 3, recovered
+    assert [facts["paused"] for facts in result["ranks"]] == [True, True, True, False]

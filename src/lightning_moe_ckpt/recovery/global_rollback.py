@@ -8,11 +8,12 @@ failed iteration:
    replicas reflect every snapshot taken before the failure;
 2. the ranks agree on the newest window persisted on every surviving rank (failed ranks
    lost their host memory: their own store and the replicas they held for others); if
-   some rank's copy of it is gone or corrupt on every replica, they fall back to the
-   previous window, and with no usable window the recovery stops with an error;
-3. a rank whose store no longer holds that window (a failed rank, or one that already
-   freed it after a newer window persisted) fetches it from its first live replica peer,
-   checksums verified; the others use their own host copies;
+   some rank's copy of it is gone or corrupt on every replica, they try the newer
+   windows some surviving rank persisted, then the older windows, and with no usable
+   window the recovery stops with an error;
+3. a rank whose store no longer holds that window complete (a failed rank, or one that
+   already freed it after a newer window persisted) fetches it from its first live
+   replica peer, checksums verified; the others use their own host copies;
 4. every rank runs sparse-to-dense conversion and replays up to the failed iteration, in
    lockstep through the same pipeline schedule and collectives as training; the in-flight
    window is discarded and the planner starts a new window at the failed iteration.
@@ -21,7 +22,7 @@ failed iteration:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -45,11 +46,11 @@ def agree_on_window(coordinator: CheckpointSide, failed: tuple[int, ...],
     fetch it from replicas where a rank that ``wants_window`` no longer holds it.
 
     When some rank's copy of that window is missing or corrupt on every replica peer, the
-    ranks fall back to the previous window (the replica peers keep two windows per
-    source; the upstream logs are kept since its start). When no window is usable,
-    raises :class:`CorruptCheckpointError` naming every window tried and what was
-    missing. Returns the window's start and, when ``wants_window``, this rank's snapshots
-    of it.
+    ranks try the newer windows some surviving rank persisted, then fall back to older
+    windows (the replica peers keep two windows per source; the upstream logs are kept
+    since the older one's start). When no window is usable, raises
+    :class:`CorruptCheckpointError` naming every window tried and what was missing.
+    Returns the window's start and, when ``wants_window``, this rank's snapshots of it.
     """
     rank = dist.get_rank()
     coordinator.drain()
@@ -57,18 +58,32 @@ def agree_on_window(coordinator: CheckpointSide, failed: tuple[int, ...],
         coordinator.lose_host_state()
     starts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(starts, coordinator.store.persisted_start)
-    live = [s for s in starts if s is not None]
+    live = sorted({s for s in starts if s is not None})
     if not live:
         raise CorruptCheckpointError("no surviving rank holds a persisted checkpoint")
-    candidate: int | None = min(live)
     tried: list[str] = []
-    while candidate is not None:
+    for candidate in _candidate_windows(coordinator, live):
         try:
             return candidate, _window_views(coordinator, failed, wants_window, candidate)
         except CorruptCheckpointError as error:  # every rank raises alike (same bytes)
             tried.append(f"window starting at {candidate}: {error}")
-        candidate = _previous_window(coordinator, candidate)
     raise CorruptCheckpointError("no usable checkpoint window: " + " | ".join(tried))
+
+
+def _candidate_windows(coordinator: CheckpointSide, persisted: list[int]) -> Iterator[int]:
+    """Windows to try, in order (the same on every rank: each step is collective).
+
+    First the newest window every surviving rank persisted (``persisted[0]``: the ranks'
+    persisted window starts, ascending). Then the newer windows some surviving rank
+    persisted: each rank persists at its own replica peers' pace, so a lagging rank's
+    persisted window may be one whose copies of a faster rank its holders already
+    dropped, while every rank still holds a newer window complete. Then the older
+    windows anyone still holds."""
+    yield from persisted
+    older = _previous_window(coordinator, persisted[0])
+    while older is not None:
+        yield older
+        older = _previous_window(coordinator, older)
 
 
 def _window_views(coordinator: CheckpointSide, failed: tuple[int, ...], wants_window: bool,
@@ -79,7 +94,9 @@ def _window_views(coordinator: CheckpointSide, failed: tuple[int, ...], wants_wi
     replicator = coordinator.replicator
     record = coordinator.store.windows.get(start)
     local: list[SnapshotView] | None = None
-    if wants_window and record is not None and record.persisted:
+    # A surviving rank's own complete window is intact whether or not its replica peers
+    # filed all of it yet (checksums are verified below); a failed rank's store is empty.
+    if wants_window and record is not None and record.complete:
         try:
             local = [snapshot_view(s) for s in record.snapshots.values()]
         except CorruptCheckpointError:

@@ -5,7 +5,9 @@ ranks of it; contiguous failed stages recover jointly, see :mod:`.scope`). Every
 calls :func:`localized_rollback` at the failed iteration (a collective):
 
 1. copies and replication are drained; the failed ranks' host state is gone;
-2. all ranks agree on the newest window persisted on every surviving rank; scope ranks
+2. all ranks agree on the newest window persisted on every surviving rank (or, where
+   that one is no longer whole, a newer or an older one:
+   :func:`~lightning_moe_ckpt.recovery.global_rollback.agree_on_window`); scope ranks
    that no longer hold it fetch it from replicas (checksums verified);
 3. the neighbours of a scope (the stages just outside it) hand over the activations and
    gradients they logged for the iterations to replay, and a surviving rank the logged
