@@ -128,3 +128,18 @@ def test_a_replication_thread_that_fails_lets_its_partner_stop(ranks_per_node: i
     for rank, report in enumerate(ranks):
         (warning,) = report["warned"]
         assert warning.startswith(f"rank {rank}: snapshot replication stopped"), warning
+
+
+def test_a_window_does_not_persist_while_its_partner_never_announced_the_same_step() -> None:
+    """Windows of two iterations, on one node: rank 0's replication fails before it
+    announces its snapshot of step 11, the last of window 10, long after both map each
+    other's slots (a snapshot in a mapped slot counts once announced). Rank 1 announced
+    step 11, but it holds rank 0's window 10 incomplete: its own window 10 must not
+    persist either (it would free window 8, the one recovery needs), just as a failed
+    exchange would not have persisted it."""
+    ranks = run_distributed(2, replication_partner_failure, make_settings(1, 2, 1, steps=12),
+                            12, 2)["ranks"]
+    assert ranks[0]["staged"] == [11]
+    assert ranks[1]["error"] is not None
+    for report in ranks:  # (step 10 counts once the partner's step 10 was filed in time)
+        assert report["persisted"] == 8 and 11 not in report["replicated"][10], report

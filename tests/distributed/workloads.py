@@ -211,8 +211,9 @@ def replication_partner_failure(settings: RunSettings, steps: int,
     """Rank 0's replication thread fails in its last exchange, after the slot handles went
     out and before the payloads (as when a third rank, one of its sources, died there):
     rank 1's thread, waiting on rank 0 in that exchange, must stop too. Reports whether
-    each rank's thread stopped when it closed its replicator, its error, and what the next
-    two iterations warned."""
+    each rank's thread stopped when it closed its replicator, its error, its persisted
+    window and the steps replicated of each window it keeps, and what the next two
+    iterations warned."""
     from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
     from lightning_moe_ckpt.models.transformer import MoETransformer
     from lightning_moe_ckpt.operators import OperatorRegistry
@@ -252,7 +253,10 @@ def replication_partner_failure(settings: RunSettings, steps: int,
             engine.train_iteration(*sampler.iteration(t, shard))
     if dist.get_rank() == 0:
         stopped = replicator.close(timeout_s=10.0)
-    report = {"staged": staged, "stopped": stopped,
+    store = coordinator.store
+    report = {"staged": staged, "stopped": stopped, "persisted": store.persisted_start,
+              "replicated": {start: sorted(record.replicated)
+                             for start, record in store.windows.items()},
               "error": None if replicator.error is None else str(replicator.error),
               "warned": [str(w.message) for w in caught
                          if "replication stopped" in str(w.message)]}

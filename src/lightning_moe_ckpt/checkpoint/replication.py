@@ -18,9 +18,13 @@ counts replicated once announced: the peer holds the slot and the page, so it ca
 the snapshot even after the source died. One in a new slot (the first windows, a new plan
 size) counts once every mapping peer filed it, and so mapped the slot: the thread waits
 for that, filing its own sources' announcements meanwhile (two ranks may wait on each
-other's), as it would wait for an exchange. Only copying
-partners exchange messages, over gloo as above; a rank whose partners all map its memory
-sends none. When the thread is asked to drain (a recovery, the end of a run) it waits
+other's), as it would wait for an exchange. Either way it counts only once this rank
+also filed its mapped sources' snapshots of the same step (until then it is counted
+later, without waiting): the lock-step exchange tied the two directions together the same
+way, and a window must not persist on a rank (which then frees its older one) while a
+partner that died before announcing that step's snapshot left its window incomplete here.
+Only copying partners exchange messages, over gloo as above; a rank whose partners all map
+its memory sends none. When the thread is asked to drain (a recovery, the end of a run) it waits
 until it filed as many snapshots of each mapped source as it took itself, and its own
 new slots are filed, so every rank holds then what the lock-step exchange would have
 given it. A partner that stopped (an error, or it closed) or died ends replication here
@@ -39,6 +43,7 @@ import contextlib
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -134,6 +139,9 @@ class Replicator:
         self._liveness = {r: Liveness(pid) for r, pid in partners.pids.items()}
         self._announced = 0
         self._processed = 0  # snapshots this thread handled: each source announces as many
+        # Sent and announced, counted replicated once this rank filed its mapped sources'
+        # snapshots of the same sequence number: (sequence number, window start, step).
+        self._unconfirmed: deque[tuple[int, int, int]] = deque()
         # Drained, and nothing taken since: a source waits for nothing this rank files.
         self._quiet = False
         self.slots = SlotRing(self._slowest_filed_epoch) if self.mapping_peers else None
@@ -373,8 +381,17 @@ class Replicator:
                                    for peer in waiting),
                        "waited for a replica peer to map a new slot")
             self.acknowledgements += len(waiting)
-        self.completed += 1
-        self.on_replicated(start, snapshot.step)
+        self._unconfirmed.append((self._processed, start, snapshot.step))
+        self._confirm()
+
+    def _confirm(self) -> None:
+        """Count replicated, in order, the sent snapshots whose step this rank also filed
+        every mapped source's snapshot of (copying sources came with the exchange)."""
+        while self._unconfirmed and all(filed >= self._unconfirmed[0][0]
+                                        for filed in self._filed.values()):
+            _, start, step = self._unconfirmed.popleft()
+            self.completed += 1
+            self.on_replicated(start, step)
 
     def _announce(self, handle: SlotHandle, window_start: int, step: int) -> tuple[int, ...]:
         """Write ``handle`` into this rank's page; returns the mapping peers that must
@@ -429,6 +446,8 @@ class Replicator:
         if filed:
             self.mapper.keep_only(self.replicas.mapped_slots().union(
                 *(known.keys() for known in self._acknowledged_to.values())))
+            if self.error is None:  # after a failure nothing more counts replicated
+                self._confirm()
 
     def _file(self, source: int, page: AnnouncementPage) -> bool:
         """File ``source``'s announcements after those filed before; returns whether there
@@ -453,6 +472,7 @@ class Replicator:
         """Drain: wait until this rank's snapshots are replicated and it filed as many of
         each source's as it took; then quiet until the next snapshot."""
         self._wait(self._settled, "waited for its replication partners to catch up")
+        self._confirm()  # filed as many of each source as it took: all of them count
         self._quiet = True
 
     def _settled(self) -> bool:

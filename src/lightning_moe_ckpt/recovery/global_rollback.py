@@ -9,8 +9,8 @@ failed iteration:
 2. the ranks agree on the newest window persisted on every surviving rank (failed ranks
    lost their host memory: their own store and the replicas they held for others); if
    some rank's copy of it is gone or corrupt on every replica, they try the newer
-   windows some surviving rank persisted, then the older windows, and with no usable
-   window the recovery stops with an error;
+   windows up to the newest some surviving rank persisted, then the older windows, and
+   with no usable window the recovery stops with an error;
 3. a rank whose store no longer holds that window complete (a failed rank, or one that
    already freed it after a newer window persisted) fetches it from its first live
    replica peer, checksums verified; the others use their own host copies;
@@ -22,7 +22,7 @@ failed iteration:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
@@ -46,9 +46,9 @@ def agree_on_window(coordinator: CheckpointSide, failed: tuple[int, ...],
     fetch it from replicas where a rank that ``wants_window`` no longer holds it.
 
     When some rank's copy of that window is missing or corrupt on every replica peer, the
-    ranks try the newer windows some surviving rank persisted, then fall back to older
-    windows (the replica peers keep two windows per source; the upstream logs are kept
-    since the older one's start). When no window is usable, raises
+    ranks try the newer windows up to the newest some surviving rank persisted, then
+    fall back to older windows (the replica peers keep two windows per source; the
+    upstream logs are kept since the older one's start). When no window is usable, raises
     :class:`CorruptCheckpointError` naming every window tried and what was missing.
     Returns the window's start and, when ``wants_window``, this rank's snapshots of it.
     """
@@ -70,20 +70,25 @@ def agree_on_window(coordinator: CheckpointSide, failed: tuple[int, ...],
     raise CorruptCheckpointError("no usable checkpoint window: " + " | ".join(tried))
 
 
-def _candidate_windows(coordinator: CheckpointSide, persisted: list[int]) -> Iterator[int]:
-    """Windows to try, in order (the same on every rank: each step is collective).
+def _candidate_windows(coordinator: CheckpointSide, persisted: list[int]) -> list[int]:
+    """Windows to try, in order (collective; the same list on every rank).
 
     First the newest window every surviving rank persisted (``persisted[0]``: the ranks'
-    persisted window starts, ascending). Then the newer windows some surviving rank
-    persisted: each rank persists at its own replica peers' pace, so a lagging rank's
-    persisted window may be one whose copies of a faster rank its holders already
-    dropped, while every rank still holds a newer window complete. Then the older
-    windows anyone still holds."""
-    yield from persisted
-    older = _previous_window(coordinator, persisted[0])
-    while older is not None:
-        yield older
-        older = _previous_window(coordinator, older)
+    persisted window starts, ascending). Then the newer ones up to the newest any
+    surviving rank persisted, oldest first: each rank persists at its own replica peers'
+    pace, so a lagging rank's persisted window may be one whose copies of a faster rank
+    its holders already dropped, while every rank still holds a newer window complete.
+    Then the older windows anyone still holds, newest first."""
+    replicator = coordinator.replicator
+    held = set(coordinator.store.windows)
+    if replicator is not None:
+        held |= replicator.held_window_starts()
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(held))
+    anywhere = {start for starts in everyone for start in starts}
+    lowest, highest = persisted[0], persisted[-1]
+    newer = sorted({*persisted, *(s for s in anywhere if lowest < s < highest)})
+    return newer + sorted((s for s in anywhere if s < lowest), reverse=True)
 
 
 def _window_views(coordinator: CheckpointSide, failed: tuple[int, ...], wants_window: bool,
@@ -114,18 +119,6 @@ def _window_views(coordinator: CheckpointSide, failed: tuple[int, ...], wants_wi
             if source == rank:
                 views = list(fetched.values())
     return views
-
-
-def _previous_window(coordinator: CheckpointSide, start: int) -> int | None:
-    """The newest window older than ``start`` that any rank still holds (collective)."""
-    replicator = coordinator.replicator
-    held = set(coordinator.store.windows)
-    if replicator is not None:
-        held |= replicator.held_window_starts()
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(s for s in held if s < start))
-    older = [s for starts in everyone for s in starts]
-    return max(older) if older else None
 
 
 def global_rollback(coordinator: CheckpointSide, failed_step: int,
