@@ -197,6 +197,30 @@ def test_a_mapped_slot_outlives_its_process() -> None:
             source.wait(timeout=BOUNDED_S)
 
 
+def test_a_slot_whose_descriptor_names_another_file_now_is_not_mapped() -> None:
+    """A source closed a slot and its descriptor number went to another file: a peer
+    mapping the old handle gets an OSError (as if the source died), not those bytes."""
+    slot = SharedSlot(serial=7, capacity=4096, token=1)
+    handle = slot.handle(100, 0)
+    slot.close()
+    other = os.memfd_create("another-file", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(other, 4096)
+        if other != handle.fd:  # the number is normally reused at once
+            os.dup2(other, handle.fd)
+        with pytest.raises(OSError, match=r"slot 7 of process \d+ is gone: its descriptor"):
+            SlotMapper().view(handle)
+        fitting = SharedSlot(serial=8, capacity=4096, token=1)
+        try:  # a live slot maps
+            assert SlotMapper().view(fitting.handle(100, 0)).numel() == 100
+        finally:
+            fitting.close()
+    finally:
+        os.close(handle.fd)
+        if other != handle.fd:
+            os.close(other)
+
+
 def test_mapped_snapshots_are_never_reused_as_receive_buffers() -> None:
     store = ReplicaStore()
     ring = SlotRing()

@@ -108,7 +108,7 @@ class SharedSlot:
         self.serial = serial
         self.capacity = capacity
         self.token = token
-        self.fd = os.memfd_create(f"moe-snapshot-{serial}", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(_slot_name(serial), os.MFD_CLOEXEC)
         os.ftruncate(self.fd, capacity)
         self.memory = mmap.mmap(self.fd, capacity)
         self.data = memoryview(self.memory)  # writes go through here
@@ -263,7 +263,7 @@ class SlotMapper:
         key = slot_key(handle)
         memory = self._mapped.get(key)
         if memory is None:
-            memory = _map(handle.pid, handle.fd, handle.capacity)
+            memory = _map(handle.pid, handle.fd, handle.capacity, handle.serial)
             self._mapped[key] = memory
         if key in self._recent:
             self._recent.remove(key)
@@ -313,9 +313,23 @@ def slot_key(handle: SlotHandle) -> tuple[int, int, int]:
     return (handle.pid, handle.token, handle.serial)
 
 
-def _map(pid: int, fd: int, capacity: int) -> mmap.mmap:
+def _slot_name(serial: int) -> str:
+    return f"moe-snapshot-{serial}"
+
+
+def _map(pid: int, fd: int, capacity: int, serial: int | None = None) -> mmap.mmap:
+    """Map ``capacity`` bytes of process ``pid``'s descriptor ``fd``; with ``serial``, only
+    while it still is that slot: a source that closed the slot may have reused the number
+    for another file, and mapping that would file the wrong bytes (or fail in ``mmap``).
+    Raises OSError when it is gone, as when the source died."""
     descriptor = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
     try:
+        if serial is not None:
+            # What this process opened, so no later reuse of the number can change it.
+            name = os.readlink(f"/proc/self/fd/{descriptor}").split(" ", 1)[0]
+            if name != f"/memfd:{_slot_name(serial)}" or os.fstat(descriptor).st_size < capacity:
+                raise OSError(f"slot {serial} of process {pid} is gone: its descriptor {fd} "
+                              f"names {name!r} now")
         return mmap.mmap(descriptor, capacity)
     finally:
         os.close(descriptor)  # the mapping holds the memory from here on
