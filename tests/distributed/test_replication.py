@@ -13,6 +13,7 @@ from lightning_moe_ckpt.checkpoint.replication import (
 )
 from tests.distributed.harness import run_distributed
 from tests.distributed.workloads import (
+    abandoned_replication_thread,
     make_settings,
     replication_check,
     replication_partner_failure,
@@ -143,3 +144,15 @@ def test_a_window_does_not_persist_while_its_partner_never_announced_the_same_st
     assert ranks[1]["error"] is not None
     for report in ranks:  # (step 10 counts once the partner's step 10 was filed in time)
         assert report["persisted"] == 8 and 11 not in report["replicated"][10], report
+
+
+def test_a_replication_thread_given_up_on_files_and_counts_nothing_more() -> None:
+    """Rank 0's close gives up on its thread while it waits for rank 1 to map its first
+    slot; when rank 1 files it, the abandoned thread neither counts the snapshot nor
+    files rank 1's (its replicas went to the next replicator): it stops with an error."""
+    ranks = run_distributed(2, abandoned_replication_thread,
+                            make_settings(1, 2, 1, steps=1))["ranks"]
+    first, second = ranks
+    assert second["slept"] and first["stopped"] is False, ranks
+    assert first["completed"] == first["counted_at_close"] == 0, ranks
+    assert first["held"] == {} and "given up" in (first["error"] or ""), ranks

@@ -265,6 +265,55 @@ def replication_partner_failure(settings: RunSettings, steps: int,
     return {"ranks": everything}
 
 
+def abandoned_replication_thread(settings: RunSettings) -> dict[str, Any]:
+    """Two ranks on one node: rank 1's replication thread sleeps 5 s before it announces
+    its first snapshot, so rank 0's thread waits for rank 1 to map rank 0's first slot.
+    Rank 0 gives its thread 1 s to close and gives up on it; rank 1's thread then files
+    rank 0's snapshot. Reports, per rank, what the replicator counted and holds and its
+    error, after rank 1 closed."""
+    import time
+
+    from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
+    from lightning_moe_ckpt.models.transformer import MoETransformer
+    from lightning_moe_ckpt.operators import OperatorRegistry
+
+    engine, _, sampler, shard = _rank_engine(settings)
+    with torch.device("meta"):
+        names = OperatorRegistry(MoETransformer(settings.model)).names
+    rank = dist.get_rank()
+    coordinator = CheckpointCoordinator(engine, RoundRobinPlanner(names, 2), rank,
+                                        dist.get_world_size(), replicas=1, ranks_per_node=2,
+                                        device=torch.device("cpu"))
+    replicator = coordinator.replicator
+    assert replicator is not None and replicator.mapping_peers == {1 - rank}
+    slept: list[int] = []
+
+    def sleep_once(step: int) -> None:
+        if not slept:
+            slept.append(step)
+            time.sleep(5.0)
+
+    if rank == 1:
+        replicator.before_payload = sleep_once
+    engine.train_iteration(*sampler.iteration(0, shard))
+    if rank == 0:
+        time.sleep(1.0)  # its thread waits on rank 1 by now
+        stopped = replicator.close(timeout_s=1.0)
+        counted = replicator.completed
+    else:
+        stopped = replicator.close(timeout_s=60.0)  # after the sleep: files rank 0's
+    dist.barrier()  # rank 1 filed rank 0's snapshot
+    time.sleep(0.5)  # an abandoned thread that went on would have counted it by now
+    report = {"stopped": stopped, "slept": slept, "completed": replicator.completed,
+              "counted_at_close": counted if rank == 0 else None,
+              "held": {source: sorted(held) for source, held in
+                       replicator.replicas.windows.items()},
+              "error": None if replicator.error is None else str(replicator.error)}
+    everything: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, report)
+    return {"ranks": everything}
+
+
 def replica_peers_of(rank: int, ranks_per_node: int = 1) -> list[int]:
     """Replica placement of the 4-rank test world with 2 replicas."""
     from lightning_moe_ckpt.checkpoint.replication import replica_peers

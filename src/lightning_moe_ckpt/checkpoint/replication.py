@@ -173,6 +173,8 @@ class Replicator:
         self.error: BaseException | None = None
         # Set by a close() that gave up on the thread: the recovery's teardown of every
         # group destroys this one, and the thread must not destroy it at the same time.
+        # Nor may it file, receive or count anything from then on: the replicas it holds
+        # went to the next replicator, whose thread fills them now.
         self._abandoned = False
         self._group_lock = threading.Lock()
         self._queue: queue.Queue[Snapshot | _Drain | None] = queue.Queue()
@@ -373,6 +375,8 @@ class Replicator:
             _exchange(group, [(buffer, s) for s, buffer in received.items()],
                       [(data, p) for p in self._copy_peers])
             self.exchanges += 1
+            if self._abandoned:
+                return
             for source, payload in received.items():
                 self.replicas.put(source, start, snapshot.step, payload)
         if waiting:  # peers that do not map the slot yet: replicated once they filed it
@@ -387,8 +391,8 @@ class Replicator:
     def _confirm(self) -> None:
         """Count replicated, in order, the sent snapshots whose step this rank also filed
         every mapped source's snapshot of (copying sources came with the exchange)."""
-        while self._unconfirmed and all(filed >= self._unconfirmed[0][0]
-                                        for filed in self._filed.values()):
+        while not self._abandoned and self._unconfirmed and all(
+                filed >= self._unconfirmed[0][0] for filed in self._filed.values()):
             _, start, step = self._unconfirmed.popleft()
             self.completed += 1
             self.on_replicated(start, step)
@@ -439,7 +443,9 @@ class Replicator:
         return False
 
     def _file_sources(self) -> None:
-        """File what the mapped sources announced so far."""
+        """File what the mapped sources announced so far (nothing once abandoned)."""
+        if self._abandoned:
+            return
         filed = False
         for source, page in self._source_pages.items():
             filed |= self._file(source, page)
@@ -501,6 +507,9 @@ class Replicator:
         deadline = time.monotonic() + _PARTNER_TIMEOUT_S
         pause = _FIRST_POLL_S
         while not done():
+            if self._abandoned:
+                raise RuntimeError(f"rank {self.rank}: replication was given up while it "
+                                   f"{what}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank {self.rank}: {what} for {_PARTNER_TIMEOUT_S:.0f} s")
             time.sleep(pause)
