@@ -274,9 +274,8 @@ class Replicator:
 
     def _run(self) -> None:
         while True:
-            try:  # idle, it files now and then: a source may be waiting on a new slot
-                item = self._queue.get(timeout=_IDLE_FILING_S if self._files_when_idle()
-                                       else None)
+            try:  # idle, it files now and then (see _idle_timeout)
+                item = self._queue.get(timeout=self._idle_timeout())
             except queue.Empty:
                 self._guarded(self._file_sources)
                 continue
@@ -298,8 +297,14 @@ class Replicator:
             self._stop(PartnerState.CLOSED)
         self._queue.task_done()
 
-    def _files_when_idle(self) -> bool:
-        return bool(self._source_pages) and not self._quiet and self.error is None
+    def _idle_timeout(self) -> float | None:
+        """How long the idle thread waits for work before it files its sources: briefly
+        while a sent snapshot waits for a source's of the same step (it counts as soon as
+        the source announced that, as it would have once an exchange completed), now and
+        then while a source may wait on a new slot, not at all once drained."""
+        if not self._source_pages or self._quiet or self.error is not None:
+            return None
+        return _CONFIRM_POLL_S if self._unconfirmed else _IDLE_FILING_S
 
     def _guarded(self, work: Callable[..., None], *args: Any) -> bool:
         """Run ``work``; on a failed transfer or partner, stop replicating. Returns whether
@@ -551,6 +556,7 @@ class Replicator:
 
 
 _IDLE_FILING_S = 0.5  # how often an idle replication thread files its sources' snapshots
+_CONFIRM_POLL_S = 0.002  # ... while a snapshot of its own waits for the sources' of its step
 # A waiting thread's sleeps between looks at its partners' pages, doubling from the first.
 _FIRST_POLL_S = 0.0005
 _LAST_POLL_S = 0.016
