@@ -25,6 +25,13 @@ the measured save cost within 3% of training time, and ``-oracle``, the best-ETT
 the newest complete checkpoint and recomputing. They appear in both tables (fault-free runs
 except with ``--quick``).
 
+**Paired blocks** (``--paired-blocks N``): each of ``--policies`` also trains
+``--paired-runs`` times with ``checkpoint.paired_blocks=N``, taking its snapshots in
+alternate blocks of N steps only; each cycle of a block with and a block without snapshots
+gives one ratio of mean iteration times, from steps seconds apart on the same processes, where
+the overhead runs' ratios pair runs minutes apart (on shared cores the machine's speed drifts
+by more than a few percent within minutes). The upstream log runs in both blocks.
+
 **Real kills** (``--kind kill``, or ``--kind simulated kill`` for both tables): the ETTR
 policies run again with ``faults.kind=kill`` on the same schedule, under the supervisor:
 each failing worker is SIGKILLed, replaced by a new process and recovered. Their ETTR is
@@ -64,7 +71,7 @@ from lightning_moe_ckpt.benchmark import (
     measure_profile,
     simulate_command,
 )
-from lightning_moe_ckpt.benchmark_statistics import median_interval
+from lightning_moe_ckpt.benchmark_statistics import median_interval, paired_block_ratios
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.recovery.faults import MtbfSchedule, schedule_from_config
 from lightning_moe_ckpt.sim.measured import loop_seconds, useful_seconds
@@ -327,6 +334,45 @@ def _replicas(row: dict[str, Any]) -> str:
     return " + ".join(kinds) or "-"
 
 
+def paired_section(args: argparse.Namespace, common: list[str],
+                   per_policy: dict[str, list[str]]) -> tuple[list[str], list[dict[str, Any]]]:
+    """The paired-block runs: per policy, the median over all cycles of the ratio of steps
+    with snapshots to steps without, its 95% interval, and each run's median."""
+    rows = []
+    for policy in [p for p in args.policies if p != "none"]:
+        per_run = []
+        for run in range(args.paired_runs):
+            print(f"running checkpoint={policy} checkpoint.paired_blocks={args.paired_blocks} "
+                  f"(paired run {run}) ...", flush=True)
+            metrics = run_policy(policy, args.out / f"{policy}-paired{run}", args.steps,
+                                 [*common, *per_policy.get(policy, []),
+                                  f"checkpoint.paired_blocks={args.paired_blocks}"],
+                                 args.threads)
+            if policy == "moevement":
+                check_moevement(metrics, f"moevement (paired blocks, run {run})")
+            per_run.append(paired_block_ratios(metrics["iteration_ms"]["per_step"],
+                                               metrics["snapshot_taken_per_step"]))
+        pooled = [ratio for ratios in per_run for ratio in ratios]
+        if not pooled:
+            raise ConfigError(f"--steps={args.steps} holds no whole cycle of two blocks of "
+                              f"--paired-blocks={args.paired_blocks} steps; raise --steps")
+        rows.append({"policy": policy, "paired_blocks": args.paired_blocks,
+                     "runs": args.paired_runs, "cycles": len(pooled),
+                     "with_vs_without": float(np.median(pooled)),
+                     "with_vs_without_interval": median_interval(pooled),
+                     "with_vs_without_runs": [float(np.median(r)) if r else None
+                                              for r in per_run]})
+    lines = ["| policy | runs | cycles | with / without snapshots | 95% interval | per run |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        interval = r["with_vs_without_interval"]
+        shown = "-" if interval is None else f"{interval[0]:.3f}-{interval[1]:.3f}"
+        runs = " ".join(_figure(v, 3) for v in r["with_vs_without_runs"])
+        lines.append(f"| {r['policy']} | {r['runs']} | {r['cycles']} "
+                     f"| {r['with_vs_without']:.3f}x | {shown} | {runs} |")
+    return lines, rows
+
+
 def memory_section(metrics: dict[str, Any], steps: int) -> tuple[list[str], dict[str, Any]]:
     """Host memory of a long moevement run: the samples, and growth from the first
     sample (start-up done) to the last."""
@@ -404,6 +450,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                         help="also train moevement fault-free this long (e.g. 2000) and report "
                              "host memory over the run: RSS and checkpointing's own bytes "
                              "(default 0: skip)")
+    parser.add_argument("--paired-blocks", type=int, default=0,
+                        help="also train each of --policies with snapshots in alternate "
+                             "blocks of this many steps only, and report the ratio of steps "
+                             "with to steps without them within each run (default 0: skip)")
+    parser.add_argument("--paired-runs", type=int, default=3,
+                        help="runs per policy with --paired-blocks (default 3)")
     parser.add_argument("--mtbf-steps", type=float, default=None,
                         help="mean steps between failures (default 10; --quick 3)")
     parser.add_argument("--fault-seed", type=int, default=None,
@@ -437,6 +489,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         raise ConfigError(f"--mtbf-steps={args.mtbf_steps} must be > 0")
     if args.memory_steps < 0:
         raise ConfigError(f"--memory-steps={args.memory_steps} must be >= 0")
+    if args.paired_blocks < 0:
+        raise ConfigError(f"--paired-blocks={args.paired_blocks} must be >= 0 (0: skip)")
+    if args.paired_runs < 1:
+        raise ConfigError(f"--paired-runs={args.paired_runs} must be >= 1")
     if args.repeats < 1:
         raise ConfigError(f"--repeats={args.repeats} must be >= 1")
     if args.mc_runs < 2:
@@ -577,6 +633,13 @@ def main() -> None:
                           common, args.threads)
         memory_lines, report["memory"] = memory_section(long, args.memory_steps)
         lines += ["", *memory_lines]
+    if args.paired_blocks:
+        paired_lines, report["paired_blocks"] = paired_section(args, common, per_policy)
+        lines += ["", f"Paired blocks within one run (checkpoint.paired_blocks="
+                      f"{args.paired_blocks}: snapshots in alternate blocks of "
+                      f"{args.paired_blocks} steps; one ratio per cycle of a block with and "
+                      "one without, the steps of each switch and the first two of each block "
+                      "left out; the upstream log runs in both):", "", *paired_lines]
     if configs and simulated:
         ettr_rows, extra = ettr_section(args, configs, results["none"], faulty, common)
         lines += ["", f"With failures (faults=mtbf, MTBF {args.mtbf_steps:g} steps, the same "

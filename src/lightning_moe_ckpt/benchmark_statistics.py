@@ -7,12 +7,19 @@ such as 1.03x. :func:`median_interval` gives the interval that holds the true me
 least the asked confidence whatever the ratios' distribution (the sign-test interval: two
 order statistics, chosen from the binomial distribution of how many ratios fall below the
 median). It needs no assumption of normality, which the occasional slow repeat breaks.
+
+Runs minutes apart still see the machine at different speeds. :func:`paired_block_ratios`
+pairs within one run instead: a run with ``checkpoint.paired_blocks`` takes snapshots in
+alternate blocks of steps, and each cycle of a block with and a block without them gives one
+ratio, from steps seconds apart.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import groupby, pairwise
+from statistics import fmean
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95
@@ -36,3 +43,30 @@ def median_interval(values: Sequence[float], confidence: float = 0.95
     if best is None:
         return None
     return ordered[best - 1], ordered[n - best]
+
+
+def paired_block_ratios(iteration_ms: Sequence[float], taken: Sequence[int],
+                        settle: int = 2) -> list[float]:
+    """Per cycle of a block of steps with snapshots and the block without them after it,
+    the ratio of their mean iteration times.
+
+    ``taken[i]`` says whether step ``i`` took a snapshot. Step ``i``'s time counts for the
+    blocks with snapshots when both it and the step before took one (its own snapshot's
+    issue, and the copy of the one before running behind it), for the blocks without when
+    neither did; the steps of a switch, mixed, count for neither, nor do the first
+    ``settle`` steps of each block, and an unfinished last cycle is dropped."""
+    if len(iteration_ms) != len(taken):
+        raise ValueError(f"{len(iteration_ms)} iteration times for {len(taken)} steps")
+    # Step i: True (with snapshots), False (without) or None (a switch), then blocks of
+    # consecutive steps alike.
+    phases = [bool(taken[i]) if i and taken[i] == taken[i - 1] else None
+              for i in range(len(taken))]
+    blocks = [(phase, [iteration_ms[i] for i, _ in steps][settle:])
+              for phase, steps in groupby(enumerate(phases), key=lambda item: item[1])
+              if phase is not None]
+    blocks = [(phase, times) for phase, times in blocks if times]
+    ratios = []
+    for (phase, times), (next_phase, next_times) in pairwise(blocks):
+        if phase and not next_phase:
+            ratios.append(fmean(times) / fmean(next_times))
+    return ratios

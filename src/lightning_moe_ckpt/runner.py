@@ -106,6 +106,7 @@ def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
                                checkpoint.upstream_logging,
                                same_node_replicas=checkpoint.same_node_replicas,
                                checksum_threads=checkpoint.checksum_threads,
+                               paired_blocks=checkpoint.paired_blocks,
                                **checkpoint.options)
 
 

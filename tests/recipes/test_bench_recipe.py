@@ -139,6 +139,8 @@ def test_bench_refuses_bad_options_naming_them(tmp_path: Path,
     bench = _bench_module()
     for args, message in (
             (["--mtbf-steps", "0"], "--mtbf-steps=0.0 must be > 0"),
+            (["--paired-blocks", "-1"], "--paired-blocks=-1 must be >= 0"),
+            (["--paired-blocks", "8", "--paired-runs", "0"], "--paired-runs=0 must be >= 1"),
             (["--quick", "--mtbf-steps", "1000"], "puts no failure within --steps=24"),
             (["--quick", "moe:checkpoint.interval=3"], "names policy 'moe'"),
             (["--quick", "gemini:trainer.seed=3"], "may only set checkpoint.* options"),

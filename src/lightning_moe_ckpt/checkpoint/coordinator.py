@@ -20,6 +20,13 @@ planner's ``capacity_factors()`` (MoEtion's boost for stale experts) are handed 
 target's MoE layers after every step, as device tensors (no host sync), where the target
 supports capacity factors.
 
+A diagnostic, ``paired_blocks=N`` (``checkpoint.paired_blocks``), takes snapshots only in
+alternate blocks of about N steps (whole windows: the block is decided at each window's
+first step), so that one run pairs steps with snapshots against steps without them on the
+same processes, minutes of machine drift apart from neither (``recipes/bench.py
+--paired-blocks``). The windows taken are complete, checksummed and replicated as usual;
+between them the newest persisted window ages by up to N steps more.
+
 Recovery sees the coordinator through its public surface: :meth:`drain`,
 :meth:`lose_host_state`, :meth:`restart`, the store, the replicator and the target.
 """
@@ -47,10 +54,19 @@ from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, Retai
 from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
 from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
+from lightning_moe_ckpt.errors import fmt, require
 from lightning_moe_ckpt.targets.base import StepHooks, StepResult, TrainingTarget
 
 if TYPE_CHECKING:
     from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan, Planner
+
+
+def require_paired_blocks(blocks: object) -> None:
+    """Refuse a ``checkpoint.paired_blocks`` that is neither None (off) nor an integer >= 1."""
+    require(blocks is None or (isinstance(blocks, int) and not isinstance(blocks, bool)
+                               and blocks >= 1),
+            f"{fmt('checkpoint.paired_blocks', blocks)} must be an integer >= 1 (steps per "
+            "block; or null: a snapshot at every step the policy plans one)")
 
 
 class CheckpointCoordinator(StepHooks):
@@ -60,8 +76,12 @@ class CheckpointCoordinator(StepHooks):
                  replicas: int, ranks_per_node: int, device: torch.device,
                  copy_delay_s: float = 0.0, initial_plan: CapturePlan | None = None,
                  persist_dir: str | None = None, share_same_node: bool = True,
-                 checksum_threads: int | None = None) -> None:
+                 checksum_threads: int | None = None,
+                 paired_blocks: int | None = None) -> None:
+        require_paired_blocks(paired_blocks)
         self.target = target
+        self.paired_blocks = paired_blocks
+        self._in_snapshot_block = True  # paired_blocks: whether the current window is taken
         self.planner = planner
         self.rank = rank
         self.world_size = world_size
@@ -141,6 +161,8 @@ class CheckpointCoordinator(StepHooks):
             self.planner.observe(step, result.expert_load, result.soft_load)
         self.apply_capacity_factors()
         plan = self.planner.plan(step)
+        if plan is not None and self.paired_blocks is not None:
+            plan = self._paired_block_plan(plan)
         taken = self._take(plan, result) if plan is not None else 0
         self._snapshot_taken = plan is not None
         self.bytes_per_step.append(taken)
@@ -151,6 +173,14 @@ class CheckpointCoordinator(StepHooks):
             error = self.replicator.error
             if error is not None and error is not self._replication_error_reported:
                 self._report_replication_stopped(error)
+
+    def _paired_block_plan(self, plan: CapturePlan) -> CapturePlan | None:
+        """``plan`` inside a block that takes snapshots, None inside one that does not;
+        blocks switch only where a window starts, so every window taken is whole."""
+        assert self.paired_blocks is not None
+        if plan.window_index == 0:
+            self._in_snapshot_block = (plan.iteration // self.paired_blocks) % 2 == 0
+        return plan if self._in_snapshot_block else None
 
     def _report_replication_stopped(self, error: BaseException) -> None:
         """Say once that replication stopped: the windows taken from now on persist on no
@@ -377,4 +407,8 @@ class CheckpointCoordinator(StepHooks):
             "windows_covered": self.windows_covered,
             "windows_not_covered": self.windows_not_covered,
             "persisted_files": [] if self.persister is None else self.persister.written[-2:],
+            # paired_blocks: which steps took a snapshot, for the bench to pair them.
+            **({} if self.paired_blocks is None
+               else {"paired_blocks": self.paired_blocks,
+                     "snapshot_taken_per_step": [int(b > 0) for b in self.bytes_per_step]}),
         }

@@ -14,6 +14,7 @@ from typing import Any, Literal, cast
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_moe_ckpt.checkpoint.checksum import require_checksum_threads
+from lightning_moe_ckpt.checkpoint.coordinator import require_paired_blocks
 from lightning_moe_ckpt.checkpoint.shared_slots import SAME_NODE_REPLICAS
 from lightning_moe_ckpt.data.corpus import BYTE_VOCAB_SIZE
 from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
@@ -24,8 +25,8 @@ from lightning_moe_ckpt.precision import Precision, parse_precision
 Api = Literal["trainer", "fabric"]
 DATA_SOURCES = ("stdlib", "textfile")
 COMMON_CHECKPOINT_KEYS = ("checksum_threads", "durable_dir", "durable_every", "durable_keep",
-                          "replicas", "same_node_replicas", "upstream_logging",
-                          "warmup_iterations")
+                          "paired_blocks", "replicas", "same_node_replicas",
+                          "upstream_logging", "warmup_iterations")
 PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "schedule", "spares")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
                 "seed", "val_batches", "val_every")
@@ -87,6 +88,7 @@ class CheckpointSettings:
     durable_keep: int = 2
     same_node_replicas: str = "shared"  # a peer on the same node maps the snapshot, or copies it
     checksum_threads: int | None = None  # None: the rank's share of the cores, at most 8
+    paired_blocks: int | None = None  # a measurement: snapshots in alternate blocks of N steps
 
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
@@ -107,6 +109,8 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     same_node_replicas = values.pop("same_node_replicas", "shared")
     checksum_threads = values.pop("checksum_threads", None)
     require_checksum_threads(checksum_threads)
+    paired_blocks = values.pop("paired_blocks", None)
+    require_paired_blocks(paired_blocks)
     require(same_node_replicas in SAME_NODE_REPLICAS,
             f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
             f"{', '.join(SAME_NODE_REPLICAS)}")
@@ -134,9 +138,12 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
         require(checksum_threads is None,
                 f"{fmt('checkpoint.checksum_threads', checksum_threads)} has no effect with "
                 f"checkpoint={policy}, which takes no snapshots to checksum; leave it null")
+        require(paired_blocks is None,
+                f"{fmt('checkpoint.paired_blocks', paired_blocks)} has no effect with "
+                f"checkpoint={policy}, which takes no snapshots; leave it null")
     return CheckpointSettings(policy, replicas, warmup, values, durable_every, durable_dir,
                               upstream_logging, durable_keep, same_node_replicas,
-                              checksum_threads)
+                              checksum_threads, paired_blocks)
 
 
 @dataclass(frozen=True)
@@ -335,6 +342,11 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
         require(settings.checkpoint.policy != "none",
                 f"faults={settings.faults['name']} needs a checkpoint policy to recover "
                 "from (checkpoint=none was given)")
+        blocks = settings.checkpoint.paired_blocks
+        require(blocks is None,
+                f"{fmt('checkpoint.paired_blocks', blocks)} measures the snapshots' cost "
+                f"by leaving every other block of steps without them; it does not go with "
+                f"faults={settings.faults['name']} (leave it null to train protected)")
     _check_policy_options(settings.checkpoint, model)
     return settings
 
