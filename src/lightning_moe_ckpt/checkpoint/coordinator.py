@@ -22,10 +22,10 @@ supports capacity factors.
 
 A diagnostic, ``paired_blocks=N`` (``checkpoint.paired_blocks``), takes snapshots only in
 alternate blocks of about N steps (whole windows: the block is decided at each window's
-first step), so that one run pairs steps with snapshots against steps without them on the
-same processes, minutes of machine drift apart from neither (``recipes/bench.py
---paired-blocks``). The windows taken are complete, checksummed and replicated as usual;
-between them the newest persisted window ages by up to N steps more.
+first step), so that one run compares steps with and without snapshots on the same
+processes, seconds rather than minutes apart (``recipes/bench.py --paired-blocks``). The
+windows taken are complete, checksummed and replicated as usual; between them the newest
+persisted window ages by up to N steps more.
 
 Recovery sees the coordinator through its public surface: :meth:`drain`,
 :meth:`lose_host_state`, :meth:`restart`, the store, the replicator and the target.
