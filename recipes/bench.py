@@ -493,6 +493,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         raise ConfigError(f"--paired-blocks={args.paired_blocks} must be >= 0 (0: skip)")
     if args.paired_runs < 1:
         raise ConfigError(f"--paired-runs={args.paired_runs} must be >= 1")
+    if args.paired_blocks and not [p for p in args.policies if p != "none"]:
+        # none takes no snapshots, so there would be nothing to pair: refuse, not an empty table
+        raise ConfigError(f"--paired-blocks={args.paired_blocks} needs a policy besides none "
+                          f"in --policies (got --policies={' '.join(args.policies) or '(none)'}"
+                          f"{', --quick' if args.quick else ''})")
     if args.repeats < 1:
         raise ConfigError(f"--repeats={args.repeats} must be >= 1")
     if args.mc_runs < 2:
