@@ -18,6 +18,7 @@ from lightning_moe_ckpt.data import (
     stdlib_corpus,
     textfile_corpus,
 )
+from lightning_moe_ckpt.data.corpus import _python_sources
 from lightning_moe_ckpt.errors import ConfigError
 
 FRESH_PROCESS = """
@@ -42,6 +43,23 @@ def test_stdlib_corpus_is_real_deterministic_text(corpus) -> None:  # type: igno
     again = stdlib_corpus()
     assert again.fingerprint == corpus.fingerprint
     assert torch.equal(again.val, corpus.val)
+
+
+def test_stdlib_sources_are_every_py_file_outside_excluded_directories(tmp_path: Path) -> None:
+    """The pruned walk keeps exactly what filtering every ``*.py`` file under the root by
+    its path's parts keeps, in sorted relative-path order (so the corpus's bytes, split
+    and fingerprint do not depend on how the files are found)."""
+    for relative in ("a.py", "b.txt", "pkg/z.py", "pkg/__init__.py", "pkg/sub/deep.py",
+                     "site-packages/lib/x.py", "pkg/site-packages/y.py", "__pycache__/c.py",
+                     "pkg/__pycache__/m.py", "A/upper.py", "pkg.py/inner.py", "pkg2/n.PY"):
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text("# x\n")
+    filtered = sorted(path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*.py")
+                      if path.is_file() and not {"site-packages", "__pycache__"}.intersection(
+                          path.relative_to(tmp_path).parts))
+    assert _python_sources(tmp_path) == filtered
+    assert filtered == ["A/upper.py", "a.py", "pkg.py/inner.py", "pkg/__init__.py",
+                        "pkg/sub/deep.py", "pkg/z.py"]
 
 
 def test_sampler_identical_in_fresh_process(corpus) -> None:  # type: ignore[no-untyped-def]

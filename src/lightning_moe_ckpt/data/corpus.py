@@ -12,6 +12,7 @@ with a different Python can be told apart.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -47,25 +48,35 @@ def _as_tokens(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+def _python_sources(root: Path) -> list[str]:
+    """The ``*.py`` files under ``root`` outside the excluded directories, as sorted
+    relative POSIX paths.
+
+    The excluded directories are pruned from the walk rather than filtered out after it:
+    an interpreter's ``site-packages`` can hold several times the standard library's files,
+    and every worker process (replacements included) builds this corpus at start."""
+    sources = []
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [name for name in subdirectories if name not in _EXCLUDED_DIRS]
+        base = Path(directory).relative_to(root)
+        sources += [(base / name).as_posix() for name in names if name.endswith(".py")]
+    return sorted(sources)
+
+
 def stdlib_corpus(val_percent: float = 5.0) -> TokenCorpus:
     """The running Python's standard-library sources, split by file."""
     if not 0 < val_percent < 100:
         raise ConfigError(f"{fmt('data.val_percent', val_percent)} must be in (0, 100)")
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        (p for p in root.rglob("*.py")
-         if not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts)),
-        key=lambda p: p.relative_to(root).as_posix(),
-    )
-    if not files:
+    sources = _python_sources(root)
+    if not sources:
         raise ConfigError(f"data=stdlib found no *.py files under {root}")
     train_parts: list[bytes] = []
     val_parts: list[bytes] = []
     threshold = val_percent / 100 * 2**32
-    for path in files:
-        relative = path.relative_to(root).as_posix().encode()
-        target = val_parts if zlib.crc32(relative) < threshold else train_parts
-        target.append(path.read_bytes() + b"\n")
+    for relative in sources:
+        target = val_parts if zlib.crc32(relative.encode()) < threshold else train_parts
+        target.append((root / relative).read_bytes() + b"\n")
     train, val = b"".join(train_parts), b"".join(val_parts)
     return TokenCorpus("stdlib", _as_tokens(train), _as_tokens(val), _fingerprint(train, val))
 
