@@ -1,7 +1,8 @@
 """Two-process DDP run of the Qwen3-MoE LightningModule (``strategy="ddp"``, gloo on CPU).
 
 Run as a script: ``python tests/anymodel/ddp_workload.py OUT_DIR [FAIL_AT]``; Lightning's
-launcher starts rank 1 by running the same command. Each rank writes its parameters,
+launcher starts rank 1 by running the same command (or start both ranks, as ``torchrun``
+does). Each rank writes its parameters,
 optimizer state, per-step losses and the injector's count to ``OUT_DIR/rank<r>.pt``.
 """
 

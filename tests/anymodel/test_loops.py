@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.recovery import AtSchedule
 from tests.anymodel.harness import FAIL_AT, STEPS, WINDOW, optimizer_state
 from tests.anymodel.models import lm_loss, qwen3_moe, random_token_loader, train_step
-from tests.bounded import run_bounded
+from tests.forked import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,10 +128,10 @@ def test_fabric_clip_gradients_replays_the_logged_coefficient() -> None:
 def _ddp(out: Path, fail_at: int | None) -> list[dict[str, Any]]:
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(REPO / "tests" / "anymodel" / "ddp_workload.py"), str(out)]
-    done = run_bounded(command + ([] if fail_at is None else [str(fail_at)]), env=env,
-                       timeout_s=300, merge_stderr=True)  # the launcher and its rank
-    assert done.returncode == 0, done.stdout[-4000:]
+    command = [str(REPO / "tests" / "anymodel" / "ddp_workload.py"), str(out)]
+    done = run_python(command + ([] if fail_at is None else [str(fail_at)]), env=env,
+                      cwd=REPO, ranks=2, timeout_s=300)  # both ranks, as torchrun starts them
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

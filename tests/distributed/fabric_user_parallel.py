@@ -36,6 +36,9 @@ from tests.distributed.staged_workloads import full_state
 
 gc.freeze()
 gc.enable()
+# The variable above reaches a fresh interpreter's OpenMP; a rank forked with torch already
+# imported (tests.forked) takes its thread count from this call.
+torch.set_num_threads(1)
 
 STEPS, BATCH, SEQ, MICROBATCHES, WINDOW, CLIP = 8, 4, 16, 2, 2, 0.5
 RUN_TIMEOUT_S = 240.0

@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -28,17 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-mp.set_forkserver_preload(["tests.distributed.preload"])
+from tests.forked import free_port  # also sets the fork server's preload
 
 RUN_TIMEOUT_S = 420.0  # below pytest-timeout's 600 s, so the ranks are ended here
 COLLECTIVE_TIMEOUT_S = 300.0  # gloo's default is 30 minutes
-
-
-def free_port() -> int:
-    """An unused TCP port on the loopback interface."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],

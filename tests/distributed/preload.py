@@ -1,6 +1,7 @@
-"""What the rank processes of :func:`tests.distributed.harness.run_distributed` import once,
-in the fork server they start from: torch, Lightning, Hugging Face ``transformers`` (the
-user-model tests' models) and the library with the test workloads.
+"""What the rank processes of :func:`tests.distributed.harness.run_distributed` and the
+recipe runs of :func:`tests.forked.run_python` import once, in the fork server they start
+from: torch, Lightning, Hydra, Hugging Face ``transformers`` (the user-model tests' models)
+and the library with the test workloads.
 
 Built with the collector off and then frozen, as ``recipes/train.py`` does: a forked rank
 neither collects nor traverses these objects, and its pages stay shared with the server.
@@ -13,6 +14,7 @@ import gc
 
 gc.disable()
 
+import hydra
 import lightning
 import torch
 import torch.distributed

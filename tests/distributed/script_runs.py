@@ -1,39 +1,41 @@
-"""Run a multi-process test script (its own launcher starts the ranks) in bounded time
-(:func:`tests.bounded.run_bounded`: on overrun the script and the ranks it launched, or
-the supervisor and its workers, are killed by their group's id). It saves a list of
+"""Run a multi-process test script in bounded time (:func:`tests.forked.run_python`: its
+ranks, or the supervisor that starts its workers, forked with their imports done; on
+overrun they and what they started are killed by their groups' ids). It saves a list of
 per-rank reports (``state``, ``losses``, ...) to the path it is given.
 """
 
 from __future__ import annotations
 
-import sys
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.bounded import run_bounded
+from tests.conftest import REPO
+from tests.forked import run_python
 
 RUN_TIMEOUT_S = 300
 
 
-def run_script(module: str, out: Path, *args: str) -> list[Any]:
-    """The per-rank reports ``python -m module out *args`` saves to ``out``."""
-    return _run([sys.executable, "-m", module, str(out), *args], out)
+def run_script(module: str, out: Path, *args: str, ranks: int) -> list[Any]:
+    """The per-rank reports ``python -m module out *args`` on ``ranks`` processes (started
+    as ``torchrun`` starts them) saves to ``out``."""
+    return _run(["-m", module, str(out), *args], out, ranks)
 
 
 def run_supervised(module: str, out: Path, workers: int, timeout_s: float, status: Path,
                    *args: str) -> list[Any]:
     """The per-rank reports of ``module`` run under ``python -m lightning_moe_ckpt.supervise``
     (its workers' pids in ``status``)."""
-    return _run([sys.executable, "-m", "lightning_moe_ckpt.supervise", "--workers",
-                 str(workers), "--timeout-s", str(timeout_s), "--status", str(status),
-                 "-m", module, str(out), *args], out)
+    return _run(["-m", "lightning_moe_ckpt.supervise", "--workers", str(workers),
+                 "--timeout-s", str(timeout_s), "--status", str(status), "-m", module,
+                 str(out), *args], out, ranks=1)
 
 
-def _run(command: list[str], out: Path) -> list[Any]:
-    done = run_bounded(command, timeout_s=RUN_TIMEOUT_S, merge_stderr=True)
-    assert done.returncode == 0, done.stdout[-4000:]
+def _run(command: list[str], out: Path, ranks: int) -> list[Any]:
+    done = run_python(command, env=os.environ, cwd=REPO, ranks=ranks, timeout_s=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     reports: list[Any] = torch.load(out, weights_only=False)
     return reports
 

@@ -30,12 +30,12 @@ SCRIPT = "tests.distributed.fabric_user_parallel"
 
 
 def test_fabric_loop_of_a_users_model_recovers_a_failure_bitwise(tmp_path: Path) -> None:
-    golden = run_script(SCRIPT, tmp_path / "golden.pt", "2", "2")
-    recovered = run_script(SCRIPT, tmp_path / "failed.pt", "2", "2", "5:2")
+    golden = run_script(SCRIPT, tmp_path / "golden.pt", "2", "2", ranks=4)
+    recovered = run_script(SCRIPT, tmp_path / "failed.pt", "2", "2", "5:2", ranks=4)
     assert_equal_runs(golden, recovered)
     assert_recovered(recovered, failed=2, scope=[2, 3])
 
 
 def test_fabric_pipeline_of_a_users_model_equals_one_process_bitwise(tmp_path: Path) -> None:
-    one_process = run_script(SCRIPT, tmp_path / "one.pt", "1", "1")
-    assert_same_model(one_process, run_script(SCRIPT, tmp_path / "pp2.pt", "2", "1"))
+    one_process = run_script(SCRIPT, tmp_path / "one.pt", "1", "1", ranks=1)
+    assert_same_model(one_process, run_script(SCRIPT, tmp_path / "pp2.pt", "2", "1", ranks=2))

@@ -39,7 +39,7 @@ def _run(tmp: Path, model: str, pp: int, ep: int, shards: int, fail: str | None 
          ) -> list[Any]:
     out = tmp / f"{model}-pp{pp}ep{ep}s{shards}{'-' + fail.replace(':', '_') if fail else ''}.pt"
     return run_script("tests.distributed.trainer_user_parallel", out, model, str(pp), str(ep),
-                      str(shards), *([fail] if fail else []))
+                      str(shards), *([fail] if fail else []), ranks=pp * ep)
 
 
 Runs = Callable[..., list[Any]]

@@ -46,6 +46,9 @@ from tests.distributed.staged_workloads import full_state, parallelize_grouped_e
 
 gc.freeze()
 gc.enable()
+# The variable above reaches a fresh interpreter's OpenMP; a rank forked with torch already
+# imported (tests.forked) takes its thread count from this call.
+torch.set_num_threads(1)
 
 STEPS, BATCH, SEQ, MICROBATCHES, WINDOW = 8, 4, 16, 2, 2
 CLIP = 0.5  # below the gradient norms here: every step is clipped

@@ -24,8 +24,10 @@ LAYOUT = ("parallel.pp=2", "parallel.ep=2", "parallel.microbatches=4")
 
 def test_trainer_and_fabric_parallel_runs_are_bitwise_identical(tmp_path: Path) -> None:
     for api in ("trainer", "fabric"):
+        # Through each API's Lightning launcher (the strategies' own), as a user runs it.
         result = run_recipe(tmp_path / api, f"api={api}", *LAYOUT, "trainer.max_steps=6",
-                            "trainer.val_every=3", "trainer.precision=bf16-master")
+                            "trainer.val_every=3", "trainer.precision=bf16-master",
+                            launch="python")
         assert result.returncode == 0, result.stderr[-4000:]
     assert_states_equal(tmp_path / "trainer" / "final_state.pt",
                         tmp_path / "fabric" / "final_state.pt")

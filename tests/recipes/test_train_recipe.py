@@ -10,18 +10,47 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.training.settings import settings_from_config
+from lightning_moe_ckpt.training.supervised import needs_supervisor
 from tests.bounded import run_bounded
-from tests.conftest import REPO
+from tests.conftest import CONF_DIR, REPO
+from tests.forked import run_python
 
 pytestmark = pytest.mark.slow
 
+TRAIN = REPO / "recipes" / "train.py"
 
-def run_recipe(out_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """Run the training recipe in a fresh process, as a user would."""
+
+def run_recipe(out_dir: Path, *overrides: str, launch: str = "forked"
+               ) -> subprocess.CompletedProcess[str]:
+    """Run the training recipe as a user would. ``launch="python"``: ``python
+    recipes/train.py`` in a fresh interpreter, whose Lightning launcher starts the other
+    ranks. ``"forked"``: every rank started at once as ``torchrun`` starts them, each forked
+    with its imports done (:mod:`tests.forked`); a supervised job's one process starts its
+    workers itself."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    return run_bounded([sys.executable, str(REPO / "recipes" / "train.py"), f"out_dir={out_dir}",
-                        "trainer.progress_bar=false", *overrides], env=env)
+    args = [f"out_dir={out_dir}", "trainer.progress_bar=false", *overrides]
+    if launch == "python":
+        return run_bounded([sys.executable, str(TRAIN), *args], env=env)
+    assert launch == "forked", launch
+    return run_python([str(TRAIN), *args], env=env, cwd=REPO, ranks=_ranks_to_start(args))
+
+
+def _ranks_to_start(args: list[str]) -> int:
+    """The processes ``torchrun`` would start for the recipe with ``args``: one per rank, or
+    one when the job runs under the supervisor (or its config is refused, which that one
+    process then reports, as the test expects)."""
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            settings = settings_from_config(compose("train", overrides=args))
+        return 1 if needs_supervisor(settings) else settings.layout.world_size
+    except (ConfigError, HydraException, OmegaConfBaseException):
+        return 1
 
 
 def assert_states_equal(path_a: Path, path_b: Path) -> None:
@@ -40,7 +69,8 @@ def assert_states_equal(path_a: Path, path_b: Path) -> None:
 
 
 def test_default_run_learns_and_writes_artifacts(tmp_path: Path) -> None:
-    result = run_recipe(tmp_path, "trainer.max_steps=60", "trainer.val_every=30")
+    result = run_recipe(tmp_path, "trainer.max_steps=60", "trainer.val_every=30",
+                        launch="python")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["steps"] == 60 and len(metrics["loss"]) == 60
