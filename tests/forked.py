@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import runpy
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -29,6 +27,8 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 import pytest
+
+from lightning_moe_ckpt.recovery.forked_workers import run_as_main
 
 PRELOAD = "tests.distributed.preload"
 RUN_TIMEOUT_S = 480.0  # pytest-timeout is 600 s (pyproject.toml)
@@ -56,12 +56,7 @@ def _run_as_main(command: Sequence[str], environment: dict[str, str], cwd: str, 
         file = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(file, fd)
         os.close(file)
-    if command[0] == "-m":  # python -m module *args
-        sys.argv = [command[1], *command[2:]]  # run_module puts the module's path first
-        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(command)
-        runpy.run_path(command[0], run_name="__main__")
+    run_as_main(command)
 
 
 def _kill_group(pid: int) -> None:

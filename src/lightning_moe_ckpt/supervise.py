@@ -15,10 +15,13 @@ script recovers the replaced rank's state from its peers (see
 :mod:`~lightning_moe_ckpt.strategies.real_failures`).
 ``--timeout-s`` must equal the strategy's ``recovery_timeout_s`` (both default to 60);
 ``--status`` names a JSON file with the store address and every worker's pid, rewritten
-whenever a process changes. The exit code is 0 once every worker finished its training
-and exited cleanly. End the script with ``torch.distributed.destroy_process_group()``: a
-worker that leaves with process groups alive can abort at interpreter exit, and a worker
-failing after its training ended is reported (exit code 1), not replaced.
+whenever a process changes. ``--fork-workers`` forks the workers, replacements and spares
+from a fork server that imported torch, Lightning and the script once
+(:mod:`~lightning_moe_ckpt.recovery.forked_workers`). The exit code is 0 once every
+worker finished its training and exited cleanly. End the script with
+``torch.distributed.destroy_process_group()``: a worker that leaves with process groups
+alive can abort at interpreter exit, and a worker failing after its training ended is
+reported (exit code 1), not replaced.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
                              "strategy's recovery_timeout_s (default 60)")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="replacements before the job gives up (default 3)")
+    parser.add_argument("--fork-workers", action="store_true",
+                        help="fork the workers, replacements and spares from a fork server "
+                             "that imported torch, Lightning and the script once, instead of "
+                             "starting fresh interpreters (not for a script that initialises "
+                             "CUDA when imported)")
     parser.add_argument("--status", type=Path, default=None,
                         help="JSON file with the store address and every worker's pid")
     parser.add_argument("-m", dest="module", default=None,
@@ -68,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = ([sys.executable, "-m", args.module, *args.script] if args.module is not None
                else [sys.executable, *args.script])
     supervisor = Supervisor(command, args.workers, args.timeout_s, args.max_restarts,
-                            args.spares, status_path=args.status)
+                            args.spares, status_path=args.status,
+                            fork_workers=args.fork_workers)
     code = supervisor.run()
     for replacement in report_of(supervisor.replacements):
         print(f"supervisor: generation {replacement['generation']}: rank "

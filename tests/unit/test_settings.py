@@ -118,6 +118,7 @@ def test_unknown_preset_names_group_and_value() -> None:
      r"model\.capacity_factor=1\.25 is not supported .* set it to null"),
     (["model=hf_qwen3_moe", "api=trainer", "model.aux_loss_coef=0.01"],
      r"model\.aux_loss_coef=0\.01 is not supported .* set it to 0"),
+    (["recovery.fork_workers=yes"], r"recovery\.fork_workers='yes' must be true or false"),
     (["hardware.accelerator=tpu"], r"hardware\.accelerator='tpu' must be one of cpu, cuda"),
     (["hardware.backend=foo"], r"hardware\.backend='foo' must be one of gloo, nccl"),
     (["hardware.nodes=0"], r"hardware\.nodes=0 must be an integer >= 1"),

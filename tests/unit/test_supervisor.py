@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.recovery.supervisor import Supervisor
 from lightning_moe_ckpt.supervise import main as supervise
+from tests.forked import run_python
 
 # A worker: rank 1 fails in generation 0 as told by argv[1] (exit, or hang after one
 # heartbeat); everyone else, and any replacement, finishes at once.
@@ -35,7 +37,8 @@ WORKER = textwrap.dedent("""
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
     rank = int(os.environ["RANK"])
     store.add(heartbeat_key(rank, os.getpid()), 1)
-    print(f"worker rank={rank} replaces={os.environ.get('MOE_REPLACES')}", flush=True)
+    print(f"worker rank={rank} replaces={os.environ.get('MOE_REPLACES')} "
+          f"parent={os.getppid()}", flush=True)
     if rank == 1 and "MOE_REPLACES" not in os.environ:
         if sys.argv[1] == "exit":
             sys.exit(3)
@@ -72,6 +75,31 @@ def test_exited_worker_is_replaced_with_its_rank(tmp_path: Path,
     pids = view["worker_pids"]
     assert pids["1"] == [replacement["dead_pid"], replacement["new_pid"]]
     assert len(pids["0"]) == len(pids["2"]) == 1  # survivors untouched
+
+
+def test_forked_workers_are_replaced_as_fresh_ones_are(tmp_path: Path) -> None:
+    """``--fork-workers``: every worker, the replacement included, is forked from one fork
+    server (their parent), not started by the supervisor, and the job goes as above. The
+    supervisor runs in a process of its own: the fork server it starts is its own."""
+    script, status = tmp_path / "worker.py", tmp_path / "workers.json"
+    script.write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = run_python(["-m", "lightning_moe_ckpt.supervise", "--fork-workers", "--workers",
+                       "3", "--status", str(status), str(script), "exit"], env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    view = json.loads(status.read_text())
+    (replacement,) = view["replacements"]
+    assert (replacement["rank"], replacement["cause"]) == (1, "exit 3")
+    assert view["worker_pids"]["1"] == [replacement["dead_pid"], replacement["new_pid"]]
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("worker ")]
+    assert sorted(line[1] for line in lines) == ["rank=0", "rank=1", "rank=1", "rank=2"]
+    (parent,) = {line[3] for line in lines}
+    assert parent != f"parent={view['supervisor']}"
+
+
+def test_a_command_forked_workers_cannot_run_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"fork_workers runs .* got the command .*'-c'"):
+        Supervisor([sys.executable, "-c", WORKER], 3, fork_workers=True)
 
 
 def test_the_command_line_names_a_bad_argument(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,6 +14,9 @@ the failed rank's identity (rank, stage, expert shard, data shard follow from th
 and ``MOE_REPLACES=<g>`` in its environment, or, with ``spares`` > 0, hands that identity
 to a **warm spare**: a process started with the job (``MOE_SPARE=<i>``) that has its
 imports and configuration done and waits on the store key ``spare/<i>`` for a rank.
+With ``fork_workers`` every one of these processes is forked from a fork server that has
+torch, Lightning and the script imported (:mod:`~lightning_moe_ckpt.recovery.forked_workers`),
+so a replacement does not import them again while the survivors wait.
 The survivors see the new generation (a collective error, or the generation key at their
 next iteration), re-form their process groups under the store prefix ``gen<g>/`` and
 recover with the replacement; they keep their processes and their state. After
@@ -43,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed import TCPStore
+
+from lightning_moe_ckpt.recovery.forked_workers import WorkerForker, WorkerProcess
 
 ENV_GENERATION = "MOE_GENERATION"  # the generation a worker was started in
 ENV_REPLACES = "MOE_REPLACES"  # set in a replacement: the generation it joins
@@ -103,6 +108,9 @@ class Supervisor:
     # Where the live view goes (store address, supervisor and worker pids), rewritten
     # whenever a process changes: for operators and tests that act on a worker by pid.
     status_path: Path | None = None
+    # Fork the workers, replacements and spares with torch, Lightning and the script
+    # imported once (recovery.forked_workers) instead of starting fresh interpreters.
+    fork_workers: bool = False
     replacements: list[Replacement] = field(default_factory=list)
     pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
     spare_pids: list[int] = field(default_factory=list)  # the warm spares started
@@ -111,6 +119,11 @@ class Supervisor:
     # and writing the results not).
     training_started_s: float | None = None
     training_s: float | None = None
+    _forker: WorkerForker | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # A command a forked worker cannot run is refused here, before anything starts.
+        self._forker = WorkerForker(self.command) if self.fork_workers else None
 
     def run(self) -> int:
         """Supervise until every worker finished (0) or the job cannot go on (1). A
@@ -134,7 +147,7 @@ class Supervisor:
                 "NODE_RANK": "0"}
         workers = {rank: self._start(base, rank, 0, None) for rank in range(self.world_size)}
         self.pids = {rank: [process.pid] for rank, process in workers.items()}
-        idle = [(index, subprocess.Popen(list(self.command), env={**base, ENV_SPARE: str(index)}))
+        idle = [(index, self._launch({**base, ENV_SPARE: str(index)}))
                 for index in range(self.spares)]
         self.spare_pids = [process.pid for _, process in idle]
         self._publish(store, workers, idle)
@@ -243,11 +256,17 @@ class Supervisor:
         return 1
 
     def _start(self, base: dict[str, str], rank: int, generation: int,
-               replaces: int | None) -> subprocess.Popen[bytes]:
+               replaces: int | None) -> WorkerProcess:
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank),
                ENV_GENERATION: str(generation)}
         if replaces is not None:
             env[ENV_REPLACES] = str(replaces)
+        return self._launch(env)
+
+    def _launch(self, env: dict[str, str]) -> WorkerProcess:
+        """A process running the command with ``env``: forked or a fresh interpreter."""
+        if self._forker is not None:
+            return self._forker.start(env)
         return subprocess.Popen(list(self.command), env=env)
 
     def _hung(self, store: TCPStore, rank: int, pid: int,
@@ -263,8 +282,8 @@ class Supervisor:
         # Before its first beat a worker is still starting (imports, data): not hung yet.
         return count > 0 and now - since > self.timeout_s
 
-    def _publish(self, store: TCPStore, workers: dict[int, subprocess.Popen[bytes]],
-                 idle: list[tuple[int, subprocess.Popen[bytes]]]) -> None:
+    def _publish(self, store: TCPStore, workers: dict[int, WorkerProcess],
+                 idle: list[tuple[int, WorkerProcess]]) -> None:
         if self.status_path is None:
             return
         status = {"store": f"127.0.0.1:{store.port}", "supervisor": os.getpid(),
@@ -277,7 +296,7 @@ class Supervisor:
         partial.replace(self.status_path)  # readers never see half a file
 
     @staticmethod
-    def _stop(workers: dict[int, subprocess.Popen[bytes]], grace_s: float = 0.0) -> None:
+    def _stop(workers: dict[int, WorkerProcess], grace_s: float = 0.0) -> None:
         """End ``workers`` (by pid), giving them ``grace_s`` to exit on their own."""
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in workers.values()):
@@ -295,9 +314,9 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _every_process(workers: dict[int, subprocess.Popen[bytes]],
-                   idle: list[tuple[int, subprocess.Popen[bytes]]]
-                   ) -> dict[int, subprocess.Popen[bytes]]:
+def _every_process(workers: dict[int, WorkerProcess],
+                   idle: list[tuple[int, WorkerProcess]]
+                   ) -> dict[int, WorkerProcess]:
     """The workers by rank and the idle spares (under negative keys), to stop them all."""
     return {**workers, **{-1 - index: process for index, process in idle}}
 

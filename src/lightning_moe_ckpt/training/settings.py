@@ -159,6 +159,9 @@ class RecoverySettings:
     # spares are asked for; true for any multi-process job (real failures from
     # outside, e.g. a kill -9, are then recovered); false never.
     supervise: bool | str = "auto"
+    # Fork the supervised workers (and replacements, spares) from a fork server that imported
+    # torch, Lightning and the recipe once, instead of starting fresh interpreters.
+    fork_workers: bool = True
 
 
 def _recovery_settings(values: Mapping[str, Any]) -> RecoverySettings:
@@ -169,6 +172,8 @@ def _recovery_settings(values: Mapping[str, Any]) -> RecoverySettings:
             f"{fmt('recovery.max_restarts', settings.max_restarts)} must be an integer >= 0")
     require(settings.supervise in (True, False, "auto"),
             f"{fmt('recovery.supervise', settings.supervise)} must be auto, true or false")
+    require(isinstance(settings.fork_workers, bool),
+            f"{fmt('recovery.fork_workers', settings.fork_workers)} must be true or false")
     return settings
 
 

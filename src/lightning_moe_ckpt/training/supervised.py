@@ -71,7 +71,8 @@ def supervise_workers(settings: RunSettings) -> dict[str, Any]:
     Path(settings.out_dir).mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor([sys.executable, *sys.argv], settings.layout.world_size,
                             settings.recovery.timeout_s, settings.recovery.max_restarts,
-                            settings.spares, status_path=Path(settings.out_dir) / WORKERS)
+                            settings.spares, status_path=Path(settings.out_dir) / WORKERS,
+                            fork_workers=settings.recovery.fork_workers)
     code = supervisor.run()
     path = Path(settings.out_dir) / METRICS
     if code != 0:
