@@ -15,6 +15,7 @@ a run that overruns is killed group by group, by pid, and the test fails.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -59,14 +60,14 @@ def _run_as_main(command: Sequence[str], environment: dict[str, str], cwd: str, 
     run_as_main(command)
 
 
-def _kill_group(pid: int) -> None:
-    """Kill the process group ``pid`` leads, or the process alone before it made one."""
-    for kill, target in ((os.killpg, pid), (os.kill, pid)):
-        try:
-            kill(target, signal.SIGKILL)
-            return
-        except ProcessLookupError:
-            continue
+def _kill_group(pid: int, pidfd: int) -> None:
+    """Kill the process group ``pid`` leads, or, before it made one, the process alone
+    through its pidfd (the fork server reaps it, so its pid alone could name another)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
 
 
 def run_python(command: Sequence[str], *, env: Mapping[str, str], cwd: Path, ranks: int = 1,
@@ -84,7 +85,7 @@ def run_python(command: Sequence[str], *, env: Mapping[str, str], cwd: Path, ran
         launch = ({} if ranks == 1 else
                   {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                    "WORLD_SIZE": str(ranks), "NODE_RANK": "0"})
-        processes = []
+        processes, pidfds = [], []
         try:
             for rank in range(ranks):
                 identity = {} if ranks == 1 else {"RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -94,12 +95,16 @@ def run_python(command: Sequence[str], *, env: Mapping[str, str], cwd: Path, ran
                           str(err)))
                 process.start()
                 processes.append(process)
+                assert process.pid is not None
+                pidfds.append(os.pidfd_open(process.pid))
             code = _await(processes, time.monotonic() + timeout_s)
         finally:
-            for process in processes:  # the rest of a failed or overrun run
-                if process.pid is not None and process.exitcode is None:
-                    _kill_group(process.pid)  # its exit is not reported: still ours
+            for process, pidfd in zip(processes, pidfds, strict=True):  # what is left
+                if process.exitcode is None:
+                    assert process.pid is not None
+                    _kill_group(process.pid, pidfd)
                 process.join()
+                os.close(pidfd)
         stdout, stderr = out.read_text(), err.read_text()
     if code is None:
         pytest.fail(f"{command} on {ranks} process(es) overran {timeout_s:g} s:\n"

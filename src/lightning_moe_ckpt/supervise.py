@@ -16,9 +16,9 @@ script recovers the replaced rank's state from its peers (see
 ``--timeout-s`` must equal the strategy's ``recovery_timeout_s`` (both default to 60);
 ``--status`` names a JSON file with the store address and every worker's pid, rewritten
 whenever a process changes. ``--fork-workers`` forks the workers, replacements and spares
-from a fork server that imported torch, Lightning and the script once
-(:mod:`~lightning_moe_ckpt.recovery.forked_workers`). The exit code is 0 once every
-worker finished its training and exited cleanly. End the script with
+from a fork server that imported torch and Lightning once, and the modules named with
+``--preload MODULE`` (:mod:`~lightning_moe_ckpt.recovery.forked_workers`). The exit code
+is 0 once every worker finished its training and exited cleanly. End the script with
 ``torch.distributed.destroy_process_group()``: a worker that leaves with process groups
 alive can abort at interpreter exit, and a worker failing after its training ended is
 reported (exit code 1), not replaced.
@@ -50,9 +50,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="replacements before the job gives up (default 3)")
     parser.add_argument("--fork-workers", action="store_true",
                         help="fork the workers, replacements and spares from a fork server "
-                             "that imported torch, Lightning and the script once, instead of "
+                             "that imported torch, Lightning and --preload once, instead of "
                              "starting fresh interpreters (not for a script that initialises "
                              "CUDA when imported)")
+    parser.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                        help="with --fork-workers: a module the fork server imports besides "
+                             "torch and Lightning (one the script imports; repeatable)")
     parser.add_argument("--status", type=Path, default=None,
                         help="JSON file with the store address and every worker's pid")
     parser.add_argument("-m", dest="module", default=None,
@@ -71,13 +74,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.spares < 0 or args.max_restarts < 0 or args.timeout_s <= 0:
         parser.error(f"--spares={args.spares} and --max-restarts={args.max_restarts} must be "
                      f">= 0 and --timeout-s={args.timeout_s} > 0")
+    if args.preload and not args.fork_workers:
+        parser.error(f"--preload={args.preload} needs --fork-workers")
     if args.module is None and not args.script:
         parser.error("name the training script (or -m MODULE)")
     command = ([sys.executable, "-m", args.module, *args.script] if args.module is not None
                else [sys.executable, *args.script])
     supervisor = Supervisor(command, args.workers, args.timeout_s, args.max_restarts,
                             args.spares, status_path=args.status,
-                            fork_workers=args.fork_workers)
+                            fork_workers=args.fork_workers, preload=args.preload)
     code = supervisor.run()
     for replacement in report_of(supervisor.replacements):
         print(f"supervisor: generation {replacement['generation']}: rank "

@@ -27,10 +27,10 @@ def run_script(module: str, out: Path, *args: str, ranks: int) -> list[Any]:
 def run_supervised(module: str, out: Path, workers: int, timeout_s: float, status: Path,
                    *args: str) -> list[Any]:
     """The per-rank reports of ``module`` run under ``python -m lightning_moe_ckpt.supervise
-    --fork-workers`` (its workers' pids in ``status``)."""
-    return _run(["-m", "lightning_moe_ckpt.supervise", "--fork-workers", "--workers",
-                 str(workers), "--timeout-s", str(timeout_s), "--status", str(status), "-m",
-                 module, str(out), *args], out, ranks=1)
+    --fork-workers --preload module`` (its workers' pids in ``status``)."""
+    return _run(["-m", "lightning_moe_ckpt.supervise", "--fork-workers", "--preload", module,
+                 "--workers", str(workers), "--timeout-s", str(timeout_s), "--status",
+                 str(status), "-m", module, str(out), *args], out, ranks=1)
 
 
 def _run(command: list[str], out: Path, ranks: int) -> list[Any]:

@@ -19,6 +19,7 @@ import pytest
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.recovery.supervisor import Supervisor
 from lightning_moe_ckpt.supervise import main as supervise
+from tests.conftest import REPO
 from tests.forked import run_python
 
 # A worker: rank 1 fails in generation 0 as told by argv[1] (exit, or hang after one
@@ -95,6 +96,36 @@ def test_forked_workers_are_replaced_as_fresh_ones_are(tmp_path: Path) -> None:
     assert sorted(line[1] for line in lines) == ["rank=0", "rank=1", "rank=1", "rank=2"]
     (parent,) = {line[3] for line in lines}
     assert parent != f"parent={view['supervisor']}"
+
+
+# A script run forked as python would run it: where it lives, its arguments, its rank.
+AS_MAIN = textwrap.dedent("""
+    import atexit, os, sys, threading, time
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    print(sys.argv[1:], os.path.basename(sys.path[0]), rank_zero_only.rank, flush=True)
+    atexit.register(lambda: print("atexit", file=sys.stderr, flush=True))
+    threading.Thread(target=lambda: (time.sleep(0.5), print("thread", file=sys.stderr,
+                                                               flush=True))).start()
+    if sys.argv[1] == "exit":
+        sys.exit(3)
+    raise RuntimeError("boom")
+""")
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_a_forked_script_runs_and_leaves_as_python_would(tmp_path: Path, how: str) -> None:
+    """Its directory first on ``sys.path``, ``sys.argv`` and Lightning's rank-zero rank from
+    ``RANK``; at the end the traceback, then the threads joined, then ``atexit``."""
+    script = tmp_path / "here" / "script.py"
+    script.parent.mkdir()
+    script.write_text(AS_MAIN)
+    done = run_python([str(script), how], env={**os.environ, "RANK": "2"}, cwd=REPO)
+    assert done.stdout.split("\n")[0] == f"['{how}'] here 2"
+    assert done.returncode == (3 if how == "exit" else 1)
+    end = [line for line in done.stderr.splitlines() if line in ("thread", "atexit")]
+    assert end == ["thread", "atexit"], done.stderr
+    if how == "raise":
+        assert done.stderr.index("RuntimeError: boom") < done.stderr.index("thread")
 
 
 def test_a_command_forked_workers_cannot_run_is_refused_naming_it() -> None:

@@ -4,28 +4,38 @@ A worker started as a fresh interpreter imports torch, Lightning and the trainin
 modules before it does anything: about 12 s of CPU on a 2-core CPU machine, and for a
 replacement that time is on the recovery's critical path while every survivor waits. With
 ``fork_workers`` the supervisor starts its workers, replacements and warm spares from
-multiprocessing's fork server instead. The server imports torch, Lightning and the script
-once (a ``-m`` module by its name; the supervisor's own script, when the workers run the
-same one, as ``__mp_main__``, so its ``if __name__ == "__main__":`` block does not run),
-and each worker forks from it and runs the script as ``__main__`` with its own environment
-and arguments, as ``python`` would.
+multiprocessing's fork server instead. The server imports torch, Lightning and the modules
+named in ``preload`` once (the recipe names its own; a user names what their script
+imports, never a module that runs the job when it is imported), and each worker forks from
+it and runs the script (or ``-m`` module) as ``__main__`` with its own environment and
+arguments, as ``python`` would: ``sys.argv``, ``sys.path[0]``, Lightning's rank-zero rank
+from ``RANK``, the threads joined and the ``atexit`` handlers run at the end. When the
+supervisor's own ``__main__`` is a script, multiprocessing imports it in each worker as
+``__mp_main__`` before the worker runs its command (its ``if __name__ == "__main__":``
+block does not run then).
 
 What differs from a fresh interpreter: what the server imported saw the supervisor's
-environment, not the worker's (set per-worker variables that a library reads at import,
-such as ``OMP_NUM_THREADS``, in the supervisor's environment); and a script that
-initialises CUDA when it is imported cannot be forked (CUDA does not survive a fork): run
-such a script without ``fork_workers``.
+environment, not the worker's (a variable read at import, such as ``OMP_NUM_THREADS``,
+must be set for the supervisor); random generators not reseeded at a fork (numpy's) start
+alike in every worker; and a script that initialises CUDA when it is imported cannot be
+forked (CUDA does not survive a fork): run it without ``fork_workers``. The fork server is
+one per process: started by the first worker, it keeps the preload it started with.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import runpy
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Protocol
+
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_moe_ckpt.errors import require
 
@@ -56,18 +66,28 @@ def python_arguments(command: Sequence[str]) -> list[str]:
 
 
 def run_as_main(arguments: Sequence[str]) -> None:
-    """Run ``python *arguments`` in this process: the script (or ``-m`` module) as
-    ``__main__`` with ``sys.argv`` as ``python`` sets it, then the exit handlers a fresh
-    interpreter would run as it exits (``atexit``; multiprocessing's processes skip them)."""
+    """Run ``python *arguments`` in this process, set up as ``python`` would set it up
+    (``sys.argv``, ``sys.path[0]``, Lightning's rank-zero rank from the environment), then
+    leave as its interpreter would: an uncaught exception's traceback first, then the
+    non-daemon threads joined, then the ``atexit`` handlers (a multiprocessing process
+    leaves by ``os._exit()`` and would skip them)."""
+    module = arguments[0] == "-m"
+    sys.argv = list(arguments[1:] if module else arguments)  # run_module puts its path first
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(arguments[0]))
+    # Lightning read it at import, in the server; it sets it this way too.
+    rank_zero_only.rank = int(os.environ.get("RANK", 0))  # type: ignore[attr-defined]
     try:
-        if arguments[0] == "-m":
-            sys.argv = list(arguments[1:])  # run_module puts the module's path first
+        if module:
             runpy.run_module(arguments[1], run_name="__main__", alter_sys=True)
         else:
-            sys.argv = list(arguments)
             runpy.run_path(arguments[0], run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        raise SystemExit(1) from None
     finally:
-        # The one way to run them: a multiprocessing process leaves by os._exit().
+        threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter calls
         atexit._run_exitfuncs()
 
 
@@ -78,18 +98,17 @@ def _worker(arguments: list[str], environment: dict[str, str]) -> None:
 
 
 class WorkerForker:
-    """Forks ``command``'s workers from the fork server, which imports torch, Lightning and
-    the command's script when the first worker starts."""
+    """Forks ``command``'s workers from this process's fork server, which imports torch,
+    Lightning and ``preload`` when the first worker starts."""
 
-    def __init__(self, command: Sequence[str]) -> None:
+    def __init__(self, command: Sequence[str], preload: Sequence[str] = ()) -> None:
         self.arguments = python_arguments(command)
+        self.preload = [*PRELOAD, *preload]
         self.context = multiprocessing.get_context("forkserver")
-        module = [self.arguments[1]] if self.arguments[0] == "-m" else []
-        # Global to this process; the server starts with the first worker.
-        self.context.set_forkserver_preload([*PRELOAD, *module])
 
     def start(self, environment: dict[str, str]) -> ForkedWorker:
         """A worker running the command with ``environment`` (and nothing else of ours)."""
+        self.context.set_forkserver_preload(self.preload)  # used once the server starts
         process = self.context.Process(target=_worker, args=(self.arguments, environment),
                                        name=f"worker {environment.get('RANK', 'spare')}")
         process.start()
@@ -97,24 +116,34 @@ class WorkerForker:
 
 
 class ForkedWorker:
-    """A forked worker, with the calls of ``subprocess.Popen`` the supervisor makes."""
+    """A forked worker, with the calls of ``subprocess.Popen`` the supervisor makes. The
+    fork server, not the supervisor, is its parent and reaps it at once, so its pid could
+    be reused after it ended: it is signalled through a pidfd, which names this process
+    only."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
         self.process = process
         assert process.pid is not None  # started
         self.pid: int = process.pid
+        self._pidfd: int | None = os.pidfd_open(self.pid)
 
     def poll(self) -> int | None:
         """The exit code (negative: the signal that ended it), or None while it runs."""
-        return self.process.exitcode
+        code = self.process.exitcode
+        if code is not None and self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        return code
 
     def kill(self) -> None:
-        """SIGKILL, by its pid."""
-        self.process.kill()
+        """SIGKILL, unless it has ended."""
+        if self.poll() is None and self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):  # it ended just now
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
     def wait(self) -> int:
         """Its exit code, once it ended."""
         self.process.join()
-        code = self.process.exitcode
+        code = self.poll()
         assert code is not None
         return code

@@ -15,8 +15,9 @@ and ``MOE_REPLACES=<g>`` in its environment, or, with ``spares`` > 0, hands that
 to a **warm spare**: a process started with the job (``MOE_SPARE=<i>``) that has its
 imports and configuration done and waits on the store key ``spare/<i>`` for a rank.
 With ``fork_workers`` every one of these processes is forked from a fork server that has
-torch, Lightning and the script imported (:mod:`~lightning_moe_ckpt.recovery.forked_workers`),
-so a replacement does not import them again while the survivors wait.
+torch, Lightning and ``preload`` imported
+(:mod:`~lightning_moe_ckpt.recovery.forked_workers`), so a replacement does not import them
+again while the survivors wait.
 The survivors see the new generation (a collective error, or the generation key at their
 next iteration), re-form their process groups under the store prefix ``gen<g>/`` and
 recover with the replacement; they keep their processes and their state. After
@@ -108,9 +109,12 @@ class Supervisor:
     # Where the live view goes (store address, supervisor and worker pids), rewritten
     # whenever a process changes: for operators and tests that act on a worker by pid.
     status_path: Path | None = None
-    # Fork the workers, replacements and spares with torch, Lightning and the script
+    # Fork the workers, replacements and spares with torch, Lightning and ``preload``
     # imported once (recovery.forked_workers) instead of starting fresh interpreters.
     fork_workers: bool = False
+    # What the fork server imports besides torch and Lightning (modules safe to import:
+    # the script's own imports, never a module that runs the job when imported).
+    preload: Sequence[str] = ()
     replacements: list[Replacement] = field(default_factory=list)
     pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
     spare_pids: list[int] = field(default_factory=list)  # the warm spares started
@@ -123,7 +127,7 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         # A command a forked worker cannot run is refused here, before anything starts.
-        self._forker = WorkerForker(self.command) if self.fork_workers else None
+        self._forker = WorkerForker(self.command, self.preload) if self.fork_workers else None
 
     def run(self) -> int:
         """Supervise until every worker finished (0) or the job cannot go on (1). A
@@ -145,17 +149,20 @@ class Supervisor:
         base = {**os.environ, **self.env, ENV_STORE: f"127.0.0.1:{store.port}",
                 "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(self.world_size),
                 "NODE_RANK": "0"}
-        workers = {rank: self._start(base, rank, 0, None) for rank in range(self.world_size)}
-        self.pids = {rank: [process.pid] for rank, process in workers.items()}
-        idle = [(index, self._launch({**base, ENV_SPARE: str(index)}))
-                for index in range(self.spares)]
-        self.spare_pids = [process.pid for _, process in idle]
-        self._publish(store, workers, idle)
-        beats = {rank: (-1, time.monotonic()) for rank in workers}
+        workers: dict[int, WorkerProcess] = {}
+        idle: list[tuple[int, WorkerProcess]] = []
         done: set[int] = set()
         after_training: dict[int, str] = {}  # ranks that failed once their training ended
         generation = 0
-        try:
+        try:  # from the first start on: a start that fails stops those already started
+            for rank in range(self.world_size):
+                workers[rank] = self._start(base, rank, 0, None)
+            self.pids = {rank: [process.pid] for rank, process in workers.items()}
+            for index in range(self.spares):
+                idle.append((index, self._launch({**base, ENV_SPARE: str(index)})))
+            self.spare_pids = [process.pid for _, process in idle]
+            self._publish(store, workers, idle)
+            beats = {rank: (-1, time.monotonic()) for rank in workers}
             while len(done) < self.world_size:
                 time.sleep(POLL_S)
                 if self.training_started_s is None and all(b[0] > 0 for b in beats.values()):
@@ -183,7 +190,7 @@ class Supervisor:
                     elif code is not None:
                         failed[rank] = f"exit {code}"
                     elif self._hung(store, rank, process.pid, beats):
-                        os.kill(process.pid, signal.SIGKILL)  # a hang becomes a death
+                        process.kill()  # a hang becomes a death (SIGKILL, by its pid)
                         process.wait()
                         failed[rank] = "hang"
                 if not failed:

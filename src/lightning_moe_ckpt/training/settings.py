@@ -160,7 +160,7 @@ class RecoverySettings:
     # outside, e.g. a kill -9, are then recovered); false never.
     supervise: bool | str = "auto"
     # Fork the supervised workers (and replacements, spares) from a fork server that imported
-    # torch, Lightning and the recipe once, instead of starting fresh interpreters.
+    # torch, Lightning, Hydra and the library once, instead of starting fresh interpreters.
     fork_workers: bool = True
 
 

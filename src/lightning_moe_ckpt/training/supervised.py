@@ -58,6 +58,10 @@ def needs_supervisor(settings: RunSettings) -> bool:
     return supervise is True or real or settings.spares > 0
 
 
+# What the recipe's workers import, for the fork server to import once (fork_workers).
+RECIPE_IMPORTS = ("hydra", "lightning_moe_ckpt.runner")
+
+
 def supervise_workers(settings: RunSettings) -> dict[str, Any]:
     """Run the job's workers under the supervisor (this process hosts the store)."""
     why = (f"recovery.supervise={settings.recovery.supervise}, "
@@ -72,7 +76,8 @@ def supervise_workers(settings: RunSettings) -> dict[str, Any]:
     supervisor = Supervisor([sys.executable, *sys.argv], settings.layout.world_size,
                             settings.recovery.timeout_s, settings.recovery.max_restarts,
                             settings.spares, status_path=Path(settings.out_dir) / WORKERS,
-                            fork_workers=settings.recovery.fork_workers)
+                            fork_workers=settings.recovery.fork_workers,
+                            preload=RECIPE_IMPORTS)
     code = supervisor.run()
     path = Path(settings.out_dir) / METRICS
     if code != 0:
