@@ -128,6 +128,39 @@ def test_a_forked_script_runs_and_leaves_as_python_would(tmp_path: Path, how: st
         assert done.stderr.index("RuntimeError: boom") < done.stderr.index("thread")
 
 
+# Forks a worker that sleeps, then kills the fork server under it (its parent).
+SERVER_LOST = textwrap.dedent("""
+    import os, signal, sys, time
+    from lightning_moe_ckpt.recovery.forked_workers import WorkerForker
+    if __name__ == "__main__" and sys.argv[1] == "sleep":
+        time.sleep(120)
+    elif __name__ == "__main__":  # (a worker imports this file as __mp_main__ first)
+        worker = WorkerForker([sys.executable, sys.argv[0], "sleep"]).start(dict(os.environ))
+        with open(f"/proc/{worker.pid}/stat") as stat:
+            server = int(stat.read().rsplit(")", 1)[1].split()[1])
+        os.kill(server, signal.SIGKILL)
+        time.sleep(1.0)
+        try:
+            worker.poll()
+        except RuntimeError as error:
+            print("error:", error, flush=True)
+        os.kill(worker.pid, 0)  # still there: the server's report was not the worker's exit
+        worker.kill()
+        time.sleep(0.5)
+        print("after kill:", worker.poll() is not None, flush=True)  # no error: it ended
+""")
+
+
+def test_a_lost_fork_server_is_an_error_not_every_worker_failed(tmp_path: Path) -> None:
+    script = tmp_path / "server_lost.py"
+    script.write_text(SERVER_LOST)
+    done = run_python([str(script), "start"], env=dict(os.environ), cwd=REPO, timeout_s=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("error: the fork server that started worker pid ")
+    assert lines[1] == "after kill: True", done.stdout
+
+
 def test_a_command_forked_workers_cannot_run_is_refused_naming_it() -> None:
     with pytest.raises(ConfigError, match=r"fork_workers runs .* got the command .*'-c'"):
         Supervisor([sys.executable, "-c", WORKER], 3, fork_workers=True)

@@ -29,6 +29,7 @@ import contextlib
 import multiprocessing
 import os
 import runpy
+import select
 import signal
 import sys
 import threading
@@ -128,17 +129,23 @@ class ForkedWorker:
         self._pidfd: int | None = os.pidfd_open(self.pid)
 
     def poll(self) -> int | None:
-        """The exit code (negative: the signal that ended it), or None while it runs."""
+        """The exit code (negative: the signal that ended it), or None while it runs. The
+        fork server reports it; a server that is gone reports every worker ended, which
+        the pidfd tells apart: then nothing about the workers can be known, an error."""
         code = self.process.exitcode
-        if code is not None and self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+        if code is None or self._pidfd is None:
+            return code
+        if not select.select([self._pidfd], [], [], 0)[0]:  # readable once it ended
+            raise RuntimeError(f"the fork server that started worker pid {self.pid} is gone "
+                               "while the worker runs: its exit can no longer be observed")
+        os.close(self._pidfd)
+        self._pidfd = None
         return code
 
     def kill(self) -> None:
         """SIGKILL, unless it has ended."""
-        if self.poll() is None and self._pidfd is not None:
-            with contextlib.suppress(ProcessLookupError):  # it ended just now
+        if self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):  # it ended, not reported yet
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
     def wait(self) -> int:
