@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,8 +73,10 @@ from lightning_moe_ckpt.benchmark import (
 from lightning_moe_ckpt.benchmark_statistics import median_interval, paired_block_ratios
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.recovery.faults import MtbfSchedule, schedule_from_config
+from lightning_moe_ckpt.recovery.forked_workers import WorkerForker
 from lightning_moe_ckpt.sim.measured import loop_seconds, useful_seconds
 from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
+from lightning_moe_ckpt.training.supervised import RECIPE_IMPORTS
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("none", "moevement", "gemini", "checkfreq", "moc", "moetion")
@@ -118,16 +119,29 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str
 def run_policy(policy: str, out: Path, steps: int, overrides: list[str],
                threads: int | None = None) -> dict[str, Any]:
     """Train with ``checkpoint=policy`` (``threads`` torch threads per process, default
-    torch's); returns its metrics."""
+    torch's); returns its metrics. The run is ``python recipes/train.py`` forked from this
+    bench's fork server, which imported torch, Lightning, Hydra and the library once for
+    every run (a fresh interpreter spends about 12 s of CPU on them here, outside the
+    timed loop either way); its output goes to ``out/train.log``."""
     command = [sys.executable, str(REPO / "recipes" / "train.py"), f"checkpoint={policy}",
-               f"out_dir={out}", f"trainer.max_steps={steps}", f"trainer.val_every={steps}",
-               "trainer.progress_bar=false", "api=fabric", *overrides]
+               f"out_dir={out.resolve()}", f"trainer.max_steps={steps}",
+               f"trainer.val_every={steps}", "trainer.progress_bar=false", "api=fabric",
+               *overrides]
     env = dict(os.environ)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"checkpoint={policy} failed:\n{result.stderr[-3000:]}")
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "train.log"
+    log.unlink(missing_ok=True)
+    run = WorkerForker(command, RECIPE_IMPORTS).start(env, cwd=REPO, output=log)
+    try:
+        code = run.wait()
+    except BaseException:  # interrupted: the run ends with the bench
+        run.kill()
+        raise
+    if code != 0:
+        raise RuntimeError(f"checkpoint={policy} failed (exit {code}), the end of {log}:\n"
+                           f"{log.read_text()[-3000:]}")
     metrics: dict[str, Any] = json.loads((out / "metrics.json").read_text())
     return metrics
 

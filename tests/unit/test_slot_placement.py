@@ -153,10 +153,10 @@ def test_a_placed_slot_waits_for_its_store_and_four_windows_after_it_was_sent() 
     assert ring.acquire(1000) is lagging
 
 
-@pytest.mark.parametrize(("lag_windows", "steps"), [(0, 800), (6, 2000)])
+@pytest.mark.parametrize(("lag_windows", "steps"), [(0, 800), (6, 1000)])
 def test_no_slot_a_peer_holds_is_rewritten_and_memory_stays_bounded(lag_windows: int,
                                                                     steps: int) -> None:
-    """Up to 2,000 steps: the store holds its windows, a replication thread lagging behind the
+    """Up to 1,000 steps: the store holds its windows, a replication thread lagging behind the
     snapshots (by more than four windows in one case) sends them, and a peer keeps its two
     newest windows as mappings. Every held snapshot keeps the bytes it was sent with."""
     engine = _engine()

@@ -20,7 +20,7 @@ from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.recovery.supervisor import Supervisor
 from lightning_moe_ckpt.supervise import main as supervise
 from tests.conftest import REPO
-from tests.forked import run_python
+from tests.forked import PRELOAD, run_python
 
 # A worker: rank 1 fails in generation 0 as told by argv[1] (exit, or hang after one
 # heartbeat); everyone else, and any replacement, finishes at once.
@@ -54,11 +54,21 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _supervisor(mode: str, max_restarts: int = 3, timeout_s: float = 30.0,
+@pytest.fixture(scope="module")
+def worker_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    script = tmp_path_factory.mktemp("worker") / "worker.py"
+    script.write_text(WORKER)
+    return script
+
+
+def _supervisor(script: Path, mode: str, max_restarts: int = 3, timeout_s: float = 30.0,
                 spares: int = 0) -> Supervisor:
+    """Workers forked from the tests' fork server (their imports done: it spares each
+    worker seconds of start-up); ``test_exited_worker_is_replaced_with_its_rank`` starts
+    them as fresh interpreters."""
     env = {"PYTHONPATH": os.pathsep.join(sys.path)}
-    return Supervisor([sys.executable, "-c", WORKER, mode], 3, timeout_s, max_restarts,
-                      spares, env=env)
+    return Supervisor([sys.executable, str(script), mode], 3, timeout_s, max_restarts,
+                      spares, env=env, fork_workers=True, preload=(PRELOAD,))
 
 
 def test_exited_worker_is_replaced_with_its_rank(tmp_path: Path,
@@ -128,10 +138,12 @@ def test_a_forked_script_runs_and_leaves_as_python_would(tmp_path: Path, how: st
         assert done.stderr.index("RuntimeError: boom") < done.stderr.index("thread")
 
 
-# Forks a worker that sleeps, then kills the fork server under it (its parent).
+# Forks a worker that sleeps, kills the fork server under it (its parent), then stops it
+# as the supervisor stops its workers.
 SERVER_LOST = textwrap.dedent("""
     import os, signal, sys, time
     from lightning_moe_ckpt.recovery.forked_workers import WorkerForker
+    from lightning_moe_ckpt.recovery.supervisor import Supervisor
     if __name__ == "__main__" and sys.argv[1] == "sleep":
         time.sleep(120)
     elif __name__ == "__main__":  # (a worker imports this file as __mp_main__ first)
@@ -145,9 +157,13 @@ SERVER_LOST = textwrap.dedent("""
         except RuntimeError as error:
             print("error:", error, flush=True)
         os.kill(worker.pid, 0)  # still there: the server's report was not the worker's exit
-        worker.kill()
-        time.sleep(0.5)
-        print("after kill:", worker.poll() is not None, flush=True)  # no error: it ended
+        Supervisor._stop({0: worker})  # kills it, and returns once it ended
+        try:  # ended: a zombie until init reaps it
+            with open(f"/proc/{worker.pid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            state = "gone"
+        print("after stop:", state, worker.poll() is not None, flush=True)  # no error: ended
 """)
 
 
@@ -158,7 +174,37 @@ def test_a_lost_fork_server_is_an_error_not_every_worker_failed(tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("error: the fork server that started worker pid ")
-    assert lines[1] == "after kill: True", done.stdout
+    assert lines[1] in ("after stop: Z True", "after stop: gone True"), done.stdout
+
+
+# Forks a worker into another directory, with another OMP_NUM_THREADS, into a log file.
+FORKED_IN = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    import torch
+    from lightning_moe_ckpt.recovery.forked_workers import WorkerForker
+    if __name__ == "__main__" and sys.argv[1] == "child":
+        print("child", os.getcwd(), torch.get_num_threads(), flush=True)
+        print("to stderr", file=sys.stderr, flush=True)
+    elif __name__ == "__main__":
+        here = Path(sys.argv[2])
+        worker = WorkerForker([sys.executable, sys.argv[0], "child"]).start(
+            {**os.environ, "OMP_NUM_THREADS": "1"}, cwd=here, output=here / "log")
+        print("exit", worker.wait(), flush=True)
+""")
+
+
+def test_a_forked_worker_gets_its_directory_threads_and_log(tmp_path: Path) -> None:
+    """The fork server imported torch with two threads (its environment's); the worker runs
+    with the one its own environment names, in its directory, both streams in its log."""
+    script = tmp_path / "forked_in.py"
+    script.write_text(FORKED_IN)
+    here = tmp_path / "here"
+    here.mkdir()
+    done = run_python([str(script), "start", str(here)],
+                      env={**os.environ, "OMP_NUM_THREADS": "2"}, cwd=REPO, timeout_s=120)
+    assert done.returncode == 0 and done.stdout == "exit 0\n", done.stderr[-3000:]
+    assert (here / "log").read_text().splitlines() == [f"child {here} 1", "to stderr"]
 
 
 def test_a_command_forked_workers_cannot_run_is_refused_naming_it() -> None:
@@ -175,17 +221,18 @@ def test_the_command_line_names_a_bad_argument(capsys: pytest.CaptureFixture[str
     assert "name the training script" in capsys.readouterr().err
 
 
-def test_a_worker_whose_training_finished_is_not_taken_for_hung() -> None:
-    supervisor = _supervisor("finished", timeout_s=3.0)  # it lingers past the timeout
+def test_a_worker_whose_training_finished_is_not_taken_for_hung(worker_script: Path) -> None:
+    # It lingers past the timeout.
+    supervisor = _supervisor(worker_script, "finished", timeout_s=3.0)
     assert supervisor.run() == 0
     assert supervisor.replacements == []
 
 
 def test_a_worker_failing_after_its_training_ended_fails_the_job_unreplaced(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        worker_script: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """No generation can form once ranks finished: the failure is reported, not
     replaced (a replacement would wait for peers that are gone)."""
-    supervisor = _supervisor("abort_after_training")
+    supervisor = _supervisor(worker_script, "abort_after_training")
     assert supervisor.run() == 1
     assert supervisor.replacements == []
     assert len(supervisor.pids[1]) == 1  # no process was started for rank 1
@@ -195,8 +242,8 @@ def test_a_worker_failing_after_its_training_ended_fails_the_job_unreplaced(
     assert "destroy_process_group()" in err
 
 
-def test_a_warm_spare_takes_the_failed_rank_and_unused_spares_leave() -> None:
-    supervisor = _supervisor("exit", spares=2)
+def test_a_warm_spare_takes_the_failed_rank_and_unused_spares_leave(worker_script: Path) -> None:
+    supervisor = _supervisor(worker_script, "exit", spares=2)
     assert supervisor.run() == 0
     (replacement,) = supervisor.replacements
     assert replacement.warm_spare and replacement.rank == 1
@@ -209,12 +256,12 @@ def test_a_warm_spare_takes_the_failed_rank_and_unused_spares_leave() -> None:
         raise AssertionError(f"spare {pid} is still alive")
 
 
-def test_hung_worker_is_killed_after_the_timeout_and_replaced() -> None:
-    supervisor = _supervisor("hang", timeout_s=10.0)  # exiting workers take seconds here
+def test_hung_worker_is_killed_after_the_timeout_and_replaced(worker_script: Path) -> None:
+    supervisor = _supervisor(worker_script, "hang", timeout_s=3.0)
     assert supervisor.run() == 0
     (replacement,) = supervisor.replacements
     assert (replacement.rank, replacement.cause) == (1, "hang")
-    assert 10.0 <= replacement.detected_s < 120.0
+    assert 3.0 <= replacement.detected_s < 120.0
     try:  # the hung process is gone: killed by its pid
         os.kill(replacement.dead_pid, 0)
     except ProcessLookupError:
@@ -223,7 +270,7 @@ def test_hung_worker_is_killed_after_the_timeout_and_replaced() -> None:
         raise AssertionError(f"hung worker {replacement.dead_pid} is still alive")
 
 
-def test_no_restart_left_stops_the_job() -> None:
-    supervisor = _supervisor("exit", max_restarts=0)
+def test_no_restart_left_stops_the_job(worker_script: Path) -> None:
+    supervisor = _supervisor(worker_script, "exit", max_restarts=0)
     assert supervisor.run() == 1
     assert supervisor.replacements == []

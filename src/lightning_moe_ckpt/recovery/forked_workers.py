@@ -15,8 +15,9 @@ supervisor's own ``__main__`` is a script, multiprocessing imports it in each wo
 block does not run then).
 
 What differs from a fresh interpreter: what the server imported saw the supervisor's
-environment, not the worker's (a variable read at import, such as ``OMP_NUM_THREADS``,
-must be set for the supervisor); random generators not reseeded at a fork (numpy's) start
+environment, not the worker's (a variable read at import must be set for the supervisor;
+``OMP_NUM_THREADS`` is the exception, applied to torch's threads in each worker); random
+generators not reseeded at a fork (numpy's) start
 alike in every worker; and a script that initialises CUDA when it is imported cannot be
 forked (CUDA does not survive a fork): run it without ``fork_workers``. The fork server is
 one per process: started by the first worker, it keeps the preload it started with.
@@ -34,8 +35,10 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
+import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_moe_ckpt.errors import require
@@ -92,9 +95,20 @@ def run_as_main(arguments: Sequence[str]) -> None:
         atexit._run_exitfuncs()
 
 
-def _worker(arguments: list[str], environment: dict[str, str]) -> None:
+def _worker(arguments: list[str], environment: dict[str, str], cwd: str | None,
+            output: str | None) -> None:
     os.environ.clear()
     os.environ.update(environment)
+    if cwd is not None:
+        os.chdir(cwd)
+    if output is not None:  # both streams, for this process and any it starts
+        log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, sys.stdout.fileno())
+        os.dup2(log, sys.stderr.fileno())
+        os.close(log)
+    threads = environment.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # OpenMP read it in the server, at import
+        torch.set_num_threads(int(threads))
     run_as_main(arguments)
 
 
@@ -107,11 +121,16 @@ class WorkerForker:
         self.preload = [*PRELOAD, *preload]
         self.context = multiprocessing.get_context("forkserver")
 
-    def start(self, environment: dict[str, str]) -> ForkedWorker:
-        """A worker running the command with ``environment`` (and nothing else of ours)."""
+    def start(self, environment: dict[str, str], *, cwd: Path | None = None,
+              output: Path | None = None) -> ForkedWorker:
+        """A worker running the command with ``environment`` (and nothing else of ours), in
+        ``cwd`` (default: the fork server's, this process's when it started), its stdout
+        and stderr appended to ``output`` (default: this process's)."""
         self.context.set_forkserver_preload(self.preload)  # used once the server starts
-        process = self.context.Process(target=_worker, args=(self.arguments, environment),
-                                       name=f"worker {environment.get('RANK', 'spare')}")
+        process = self.context.Process(
+            target=_worker, name=f"worker {environment.get('RANK', 'spare')}",
+            args=(self.arguments, environment, None if cwd is None else str(cwd),
+                  None if output is None else str(output)))
         process.start()
         return ForkedWorker(process)
 
@@ -149,7 +168,10 @@ class ForkedWorker:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
     def wait(self) -> int:
-        """Its exit code, once it ended."""
+        """Its exit code, once it ended: watched through its pidfd, so that this returns
+        once it ended even where its fork server is gone."""
+        if self._pidfd is not None:
+            select.select([self._pidfd], [], [])
         self.process.join()
         code = self.poll()
         assert code is not None

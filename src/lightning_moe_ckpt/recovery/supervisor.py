@@ -304,15 +304,19 @@ class Supervisor:
 
     @staticmethod
     def _stop(workers: dict[int, WorkerProcess], grace_s: float = 0.0) -> None:
-        """End ``workers`` (by pid), giving them ``grace_s`` to exit on their own."""
+        """End ``workers`` (by pid), giving them ``grace_s`` to exit on their own. Every
+        one is killed before any is waited for, even when watching them fails (a lost
+        fork server): nothing is left running."""
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in workers.values()):
-            time.sleep(POLL_S)
-        for process in workers.values():
-            if process.poll() is None:
-                process.kill()
-        for process in workers.values():
-            process.wait()
+        try:
+            while (time.monotonic() < deadline
+                   and any(p.poll() is None for p in workers.values())):
+                time.sleep(POLL_S)
+        finally:
+            for process in workers.values():
+                process.kill()  # does nothing to one that has ended
+            for process in workers.values():
+                process.wait()
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
