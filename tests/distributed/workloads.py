@@ -6,9 +6,11 @@ view. They are module-level so ``spawn`` can pickle them.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from lightning_moe_ckpt.parallel.topology import Coordinates
 from lightning_moe_ckpt.training.data import build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.outputs import consolidated_state
+from lightning_moe_ckpt.training.peers import PeerCheckpointing
 from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
 
 
@@ -83,6 +86,32 @@ def distributed_run(settings: RunSettings) -> tuple[dict[str, Any] | None, list[
     losses = [float(engine.train_iteration(*sampler.iteration(t, shard)).loss)
               for t in range(settings.max_steps)]
     return gather_consolidated_state(engine, coords, settings.max_steps), losses
+
+
+def peer_checkpointing_run(settings: RunSettings, policy: str, directory: str,
+                           failure_step: int) -> tuple[dict[str, Any] | None, list[Any]]:
+    """Train with a user's periodic checkpointing (``checkpoint=lightning`` or ``dcp``,
+    ``k`` by the overhead cap) and a failure before ``failure_step``, once the saves
+    before it completed. The ranks report iteration times ten thousand times apart, as
+    ranks measuring apart might: alone they would choose different ``k``. Returns rank
+    0's consolidated state and every rank's ``k`` and recoveries."""
+    engine, coords, sampler, shard = _rank_engine(settings)
+    engine.batch = lambda step: sampler.iteration(step, shard)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = PeerCheckpointing(policy, engine, Path(directory), rank, world, {failure_step},
+                             warmup=2)
+    peer.begin()
+    while engine.step < settings.max_steps:
+        if engine.step == failure_step:
+            while not all(save.done() for save in peer.saves):
+                time.sleep(0.01)
+        peer.before_iteration(engine.step)
+        engine.train_iteration(*sampler.iteration(engine.step, shard))
+        peer.after_iteration(10.0 if rank == 0 else 0.001)
+    peer.close()
+    ranks: list[Any] = [None] * world
+    dist.all_gather_object(ranks, {"interval": peer.interval, "recoveries": peer.recoveries})
+    return gather_consolidated_state(engine, coords, settings.max_steps), ranks
 
 
 FROZEN = ["layers.0.moe.experts.1", "layers.0.moe.experts.6", "layers.1.attn",

@@ -5,14 +5,15 @@
   :class:`~lightning.pytorch.plugins.io.AsyncCheckpointIO` (the plugin of
   ``Trainer(plugins=[AsyncCheckpointIO()])``), one file per rank.
 * ``checkpoint=dcp``: every ``k`` steps ``torch.distributed.checkpoint.async_save`` of the
-  same state (torchtitan's choice), one checkpoint directory per step.
+  same state (torchtitan's choice), one checkpoint directory per step; as torchtitan does,
+  a save first waits for the one before it to finish.
 
 ``k`` (``checkpoint.interval``) is an integer or is chosen the way users choose it, after
 ``warmup_iterations`` from the measured iteration time and the measured wall time of one
 complete save (the step-0 save, waited for): ``cap``, the smallest ``k`` whose saves cost
 at most ``max_overhead`` of the training time (CheckFreq's rule), or ``oracle``, the ``k``
 with the best analytic ETTR at ``mtbf_steps`` (Gemini's oracle; defaults to
-``faults.mtbf_steps``).
+``faults.mtbf_steps``). Across ranks one ``k`` is chosen, from the slowest rank's figures.
 
 Recovery is a user's: at a failure every in-flight save dies with the job, every rank loads
 the newest checkpoint that completed on every rank (the initial state when none did) and
@@ -110,6 +111,7 @@ class PeerCheckpointing:
         # group they would interleave with training's (torchtitan gives it a group too).
         self.group = (dist.new_group(backend="gloo")
                       if self.distributed and policy == "dcp" else None)
+        self._dcp_save: Future[Any] | None = None  # the newest DCP save
         self.saves: list[_Save] = []
         self.save_s = 0.0  # wall time of one complete save, measured at step 0
         self.stall_s: list[float] = []  # training-thread time of each periodic save
@@ -140,11 +142,17 @@ class PeerCheckpointing:
             assert isinstance(finished, _CompletionIO)
             return _Save(step, path, lambda: str(path) in finished.finished)
         path = self.directory / f"step-{step}"
+        # One save in flight, as torchtitan keeps it: each async_save runs in a thread of
+        # its own, and two in flight would run their collectives in either order on each
+        # rank. The wait is the training thread's, counted in the stall.
+        if self._dcp_save is not None:
+            self._dcp_save.result()
         # Keys per rank: DCP deduplicates equal keys across ranks, and stage-local names
         # repeat on every pipeline stage.
         future = dcp.async_save({f"rank{self.rank}": self._state()}, checkpoint_id=path,
                                 process_group=self.group)
         assert isinstance(future, Future)  # the default (thread) async save
+        self._dcp_save = future
         return _Save(step, path, future.done)
 
     # -- the loop's calls -------------------------------------------------------------
@@ -231,11 +239,20 @@ class PeerCheckpointing:
                 save.path.unlink(missing_ok=True)
 
     def _choose_interval(self) -> int:
+        """``k`` by the rule, from the median iteration and the measured save. Collective
+        when distributed: one ``k`` for the job, from the slowest rank's figures, as a user
+        sets one for every rank (ranks that measured apart and chose apart would prune at
+        different steps, each waiting in a collective the others never enter)."""
         iteration = sorted(self._iteration_s)[len(self._iteration_s) // 2]
+        save_s = self.save_s
+        if self.distributed:
+            slowest = torch.tensor([iteration, save_s], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            iteration, save_s = slowest.tolist()
         if self.rule == "cap":
-            return checkfreq_interval(iteration, self.save_s, self.max_overhead)
+            return checkfreq_interval(iteration, save_s, self.max_overhead)
         assert self.mtbf_steps is not None
-        return oracle_interval(self.mtbf_steps * iteration, iteration, self.save_s)
+        return oracle_interval(self.mtbf_steps * iteration, iteration, save_s)
 
     def close(self) -> None:
         """Wait for outstanding saves."""
