@@ -160,8 +160,11 @@ def fault_overrides(mtbf_steps: float, seed: int | None) -> list[str]:
 
 
 def planned_failures(settings: RunSettings) -> list[int]:
-    """Steps of the run's failure schedule; refuses a run no failure reaches."""
-    schedule = schedule_from_config(settings.faults, world_size=settings.layout.world_size,
+    """Steps of the run's failure schedule; refuses a run no failure reaches, and one where
+    every worker of a multi-process job fails at once (nothing survives to hold the
+    in-memory checkpoints, so the run would stop there with an error)."""
+    world = settings.layout.world_size
+    schedule = schedule_from_config(settings.faults, world_size=world,
                                     max_steps=settings.max_steps, seed=settings.seed)
     assert isinstance(schedule, MtbfSchedule)
     steps = sorted({event.step for event in schedule.events})
@@ -169,6 +172,13 @@ def planned_failures(settings: RunSettings) -> list[int]:
         raise ConfigError(f"--mtbf-steps={schedule.mtbf_steps:g} puts no failure within "
                           f"--steps={settings.max_steps} for this seed: lower --mtbf-steps, "
                           "raise --steps or change --fault-seed")
+    whole = [step for step in steps
+             if len({event.rank for event in schedule.events_at(step)}) == world > 1]
+    if whole:
+        raise ConfigError(f"--mtbf-steps={schedule.mtbf_steps:g} with this seed fails all "
+                          f"{world} workers at once at step(s) {whole}: no survivor would "
+                          "hold the in-memory checkpoints to recover from; raise "
+                          "--mtbf-steps or change --fault-seed")
     return steps
 
 

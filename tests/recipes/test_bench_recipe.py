@@ -144,6 +144,8 @@ def test_bench_refuses_bad_options_naming_them(tmp_path: Path,
             (["--quick", "--paired-blocks", "8"], "--paired-blocks=8 needs a policy besides"),
             (["--paired-blocks", "8", "--policies", "none"], "(got --policies=none)"),
             (["--quick", "--mtbf-steps", "1000"], "puts no failure within --steps=24"),
+            (["--quick", "--steps", "16", "parallel.pp=2", "parallel.microbatches=2"],
+             "fails all 2 workers at once at step(s) [10]"),
             (["--quick", "moe:checkpoint.interval=3"], "names policy 'moe'"),
             (["--quick", "gemini:trainer.seed=3"], "may only set checkpoint.* options"),
             (["--quick", "--kind", "kill"], "--kind kill needs several worker processes")):
