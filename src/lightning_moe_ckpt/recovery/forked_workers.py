@@ -17,10 +17,11 @@ block does not run then).
 What differs from a fresh interpreter: what the server imported saw the supervisor's
 environment, not the worker's (a variable read at import must be set for the supervisor;
 ``OMP_NUM_THREADS`` is the exception, applied to torch's threads in each worker); random
-generators not reseeded at a fork (numpy's) start
-alike in every worker; and a script that initialises CUDA when it is imported cannot be
-forked (CUDA does not survive a fork): run it without ``fork_workers``. The fork server is
-one per process: started by the first worker, it keeps the preload it started with.
+generators not reseeded at a fork (numpy's) start alike in every worker; and a script that
+initialises CUDA when it is imported cannot be forked (CUDA does not survive a fork): run
+it without ``fork_workers``. The fork server is one per process: started by the first
+worker, it keeps the preload it started with. ``recipes/bench.py`` starts its training runs
+the same way, each in a directory and with its output in a log file of its own.
 """
 
 from __future__ import annotations
