@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_moe_ckpt.recovery.forked_workers import run_as_main
+from lightning_moe_ckpt.recovery.forked_workers import enter_process, run_as_main
 
 PRELOAD = "tests.distributed.preload"
 RUN_TIMEOUT_S = 480.0  # pytest-timeout is 600 s (pyproject.toml)
@@ -50,13 +50,7 @@ def _run_as_main(command: Sequence[str], environment: dict[str, str], cwd: str, 
     """In the forked process: become ``python *command`` started in ``cwd`` with
     ``environment``, writing to the files ``stdout`` and ``stderr``."""
     os.setsid()  # its own group, so an overrun kills it with whatever it started
-    os.environ.clear()
-    os.environ.update(environment)
-    os.chdir(cwd)
-    for fd, path in ((1, stdout), (2, stderr)):
-        file = os.open(path, os.O_WRONLY | os.O_APPEND)
-        os.dup2(file, fd)
-        os.close(file)
+    enter_process(environment, cwd, stdout, stderr)
     run_as_main(command)
 
 

@@ -96,17 +96,25 @@ def run_as_main(arguments: Sequence[str]) -> None:
         atexit._run_exitfuncs()
 
 
-def _worker(arguments: list[str], environment: dict[str, str], cwd: str | None,
-            output: str | None) -> None:
+def enter_process(environment: dict[str, str], cwd: str | None = None,
+                  stdout: str | None = None, stderr: str | None = None) -> None:
+    """In a forked process: take ``environment`` (and nothing else of the server's), the
+    directory ``cwd`` and the files ``stdout``/``stderr`` (appended to, created if need
+    be; one path may name both), for this process and any it starts."""
     os.environ.clear()
     os.environ.update(environment)
     if cwd is not None:
         os.chdir(cwd)
-    if output is not None:  # both streams, for this process and any it starts
-        log = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(log, sys.stdout.fileno())
-        os.dup2(log, sys.stderr.fileno())
-        os.close(log)
+    for stream, path in ((sys.stdout, stdout), (sys.stderr, stderr)):
+        if path is not None:
+            file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(file, stream.fileno())
+            os.close(file)
+
+
+def _worker(arguments: list[str], environment: dict[str, str], cwd: str | None,
+            output: str | None) -> None:
+    enter_process(environment, cwd, output, output)
     threads = environment.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # OpenMP read it in the server, at import
         torch.set_num_threads(int(threads))
