@@ -363,7 +363,7 @@ def paired_section(args: argparse.Namespace, common: list[str],
     """The paired-block runs: per policy, the median over all cycles of the ratio of steps
     with snapshots to steps without, its 95% interval, and each run's median."""
     rows = []
-    for policy in [p for p in args.policies if p != "none"]:
+    for policy in args.checkpointing:
         per_run = []
         for run in range(args.paired_runs):
             print(f"running checkpoint={policy} checkpoint.paired_blocks={args.paired_blocks} "
@@ -503,6 +503,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         args.mtbf_steps = 3.0 if args.quick else 10.0
     if args.policies is None:
         args.policies = [] if args.quick else list(POLICIES)
+    # The fault-free runs always include none, the baseline the others are paired with.
+    args.checkpointing = [policy for policy in args.policies if policy != "none"]
     if args.threads is None and args.quick:
         args.threads = 1
     if args.threads is not None and args.threads < 1:
@@ -517,7 +519,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         raise ConfigError(f"--paired-blocks={args.paired_blocks} must be >= 0 (0: skip)")
     if args.paired_runs < 1:
         raise ConfigError(f"--paired-runs={args.paired_runs} must be >= 1")
-    if args.paired_blocks and not [p for p in args.policies if p != "none"]:
+    if args.paired_blocks and not args.checkpointing:
         # none takes no snapshots, so there would be nothing to pair: refuse, not an empty table
         raise ConfigError(f"--paired-blocks={args.paired_blocks} needs a policy besides none "
                           f"in --policies (got --policies={' '.join(args.policies) or '(none)'}"
@@ -636,7 +638,7 @@ def main() -> None:
     if configs:
         print(f"failures before steps {next(iter(schedules.values()))}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    fault_free = ["none", *[p for p in args.policies if p != "none"],
+    fault_free = ["none", *args.checkpointing,
                   *([] if args.quick else args.peers)]
     repeats = []
     for repeat in range(args.repeats):

@@ -177,34 +177,44 @@ def test_a_lost_fork_server_is_an_error_not_every_worker_failed(tmp_path: Path) 
     assert lines[1] in ("after stop: Z True", "after stop: gone True"), done.stdout
 
 
-# Forks a worker into another directory, with another OMP_NUM_THREADS, into a log file.
+# Forks two workers, one after the other, into another directory, with another
+# OMP_NUM_THREADS, into a log file; each draws from NumPy's global generator.
 FORKED_IN = textwrap.dedent("""
     import os, sys
     from pathlib import Path
+    import numpy
     import torch
     from lightning_moe_ckpt.recovery.forked_workers import WorkerForker
     if __name__ == "__main__" and sys.argv[1] == "child":
-        print("child", os.getcwd(), torch.get_num_threads(), flush=True)
+        draw = numpy.random.randint(2**62)
+        print("child", os.getcwd(), torch.get_num_threads(), draw, flush=True)
         print("to stderr", file=sys.stderr, flush=True)
     elif __name__ == "__main__":
         here = Path(sys.argv[2])
-        worker = WorkerForker([sys.executable, sys.argv[0], "child"]).start(
-            {**os.environ, "OMP_NUM_THREADS": "1"}, cwd=here, output=here / "log")
-        print("exit", worker.wait(), flush=True)
+        forker = WorkerForker([sys.executable, sys.argv[0], "child"], preload=("numpy",))
+        for _ in range(2):
+            worker = forker.start(
+                {**os.environ, "OMP_NUM_THREADS": "1"}, cwd=here, output=here / "log")
+            print("exit", worker.wait(), flush=True)
 """)
 
 
-def test_a_forked_worker_gets_its_directory_threads_and_log(tmp_path: Path) -> None:
-    """The fork server imported torch with two threads (its environment's); the worker runs
-    with the one its own environment names, in its directory, both streams in its log."""
+def test_a_forked_worker_gets_its_directory_threads_log_and_generator(tmp_path: Path) -> None:
+    """The fork server imported torch with two threads (its environment's) and NumPy; each
+    worker runs with the one thread its own environment names, in its directory, both
+    streams in its log, and draws from a NumPy generator of its own (the server's state,
+    copied into both, would make them draw alike)."""
     script = tmp_path / "forked_in.py"
     script.write_text(FORKED_IN)
     here = tmp_path / "here"
     here.mkdir()
     done = run_python([str(script), "start", str(here)],
                       env={**os.environ, "OMP_NUM_THREADS": "2"}, cwd=REPO, timeout_s=120)
-    assert done.returncode == 0 and done.stdout == "exit 0\n", done.stderr[-3000:]
-    assert (here / "log").read_text().splitlines() == [f"child {here} 1", "to stderr"]
+    assert done.returncode == 0 and done.stdout == "exit 0\nexit 0\n", done.stderr[-3000:]
+    lines = (here / "log").read_text().splitlines()
+    assert [line.rsplit(" ", 1)[0] for line in lines[0::2]] == [f"child {here} 1"] * 2, lines
+    assert lines[1::2] == ["to stderr"] * 2, lines
+    assert lines[0] != lines[2], lines
 
 
 def test_a_command_forked_workers_cannot_run_is_refused_naming_it() -> None:

@@ -16,12 +16,14 @@ block does not run then).
 
 What differs from a fresh interpreter: what the server imported saw the supervisor's
 environment, not the worker's (a variable read at import must be set for the supervisor;
-``OMP_NUM_THREADS`` is the exception, applied to torch's threads in each worker); random
-generators not reseeded at a fork (numpy's) start alike in every worker; and a script that
-initialises CUDA when it is imported cannot be forked (CUDA does not survive a fork): run
-it without ``fork_workers``. The fork server is one per process: started by the first
-worker, it keeps the preload it started with. ``recipes/bench.py`` starts its training runs
-the same way, each in a directory and with its output in a log file of its own.
+``OMP_NUM_THREADS`` is the exception, applied to torch's threads in each worker), and a
+script that initialises CUDA when it is imported cannot be forked (CUDA does not survive a
+fork): run it without ``fork_workers``. Random generators do not start alike: Python's
+``random`` reseeds itself at a fork, and each worker reseeds NumPy's global generator from
+the OS as a fresh interpreter's import would. The fork server is one per process: started
+by the first worker, it keeps the preload it started with. ``recipes/bench.py`` starts its
+training runs the same way, each in a directory and with its output in a log file of its
+own.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def enter_process(environment: dict[str, str], cwd: str | None = None,
                   stdout: str | None = None, stderr: str | None = None) -> None:
     """In a forked process: take ``environment`` (and nothing else of the server's), the
     directory ``cwd`` and the files ``stdout``/``stderr`` (appended to, created if need
-    be; one path may name both), for this process and any it starts."""
+    be; one path may name both), for this process and any it starts, and a NumPy global
+    generator of its own."""
     os.environ.clear()
     os.environ.update(environment)
     if cwd is not None:
@@ -110,6 +113,9 @@ def enter_process(environment: dict[str, str], cwd: str | None = None,
             file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(file, stream.fileno())
             os.close(file)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:  # Python's ``random`` reseeds itself at a fork; NumPy's does not
+        numpy.random.seed()  # from the OS's entropy, as a fresh interpreter's import seeds it
 
 
 def _worker(arguments: list[str], environment: dict[str, str], cwd: str | None,
