@@ -55,10 +55,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
@@ -140,8 +136,9 @@ def run_policy(policy: str, out: Path, steps: int, overrides: list[str],
         run.kill()
         raise
     if code != 0:
+        tail = log.read_text()[-3000:] if log.exists() else "(no log was written)"
         raise RuntimeError(f"checkpoint={policy} failed (exit {code}), the end of {log}:\n"
-                           f"{log.read_text()[-3000:]}")
+                           f"{tail}")
     metrics: dict[str, Any] = json.loads((out / "metrics.json").read_text())
     return metrics
 
@@ -423,6 +420,13 @@ def memory_section(metrics: dict[str, Any], steps: int) -> tuple[list[str], dict
 
 def plot(rows: list[dict[str, Any]], ettr_rows: list[dict[str, Any]], path: Path) -> None:
     """Iteration-time ratio per policy and, with failures, measured vs predicted ETTR."""
+    # Imported here: multiprocessing imports this script in every forked training run (as
+    # ``__mp_main__``), which need no plotting library.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2 if ettr_rows else 1, figsize=(11 if ettr_rows else 6, 4),
                              squeeze=False)
     left = axes[0][0]

@@ -35,7 +35,7 @@ def test_ranks_measuring_apart_save_at_one_k_and_restart_bitwise(policy: str,
     reference, _ = reference_run(settings)
     state, ranks = run_distributed(2, peer_checkpointing_run, settings, policy, str(tmp_path),
                                    FAILURE_STEP)
-    # One k for the job, from the slower figures (rank 0's 10 s iterations): without it
+    # One k for the job, from the slower figures (rank 0's 1000 s iterations): without it
     # rank 1 would choose a k thousands of times larger, and rank 0's collectives after
     # its saves would wait for rank 1 in vain.
     assert ranks[0]["interval"] == ranks[1]["interval"] == 1

@@ -92,8 +92,9 @@ def peer_checkpointing_run(settings: RunSettings, policy: str, directory: str,
                            failure_step: int) -> tuple[dict[str, Any] | None, list[Any]]:
     """Train with a user's periodic checkpointing (``checkpoint=lightning`` or ``dcp``,
     ``k`` by the overhead cap) and a failure before ``failure_step``, once the saves
-    before it completed. The ranks report iteration times ten thousand times apart, as
-    ranks measuring apart might: alone they would choose different ``k``. Returns rank
+    before it completed. The ranks report iteration times a million times apart, as
+    ranks measuring apart might: alone they would choose different ``k`` (rank 0's 1000 s
+    allow a save of up to 30 s at ``k`` = 1, however loaded the machine). Returns rank
     0's consolidated state and every rank's ``k`` and recoveries."""
     engine, coords, sampler, shard = _rank_engine(settings)
     engine.batch = lambda step: sampler.iteration(step, shard)
@@ -107,7 +108,7 @@ def peer_checkpointing_run(settings: RunSettings, policy: str, directory: str,
                 time.sleep(0.01)
         peer.before_iteration(engine.step)
         engine.train_iteration(*sampler.iteration(engine.step, shard))
-        peer.after_iteration(10.0 if rank == 0 else 0.001)
+        peer.after_iteration(1000.0 if rank == 0 else 0.001)
     peer.close()
     ranks: list[Any] = [None] * world
     dist.all_gather_object(ranks, {"interval": peer.interval, "recoveries": peer.recoveries})

@@ -140,12 +140,13 @@ class WorkerForker:
               output: Path | None = None) -> ForkedWorker:
         """A worker running the command with ``environment`` (and nothing else of ours), in
         ``cwd`` (default: the fork server's, this process's when it started), its stdout
-        and stderr appended to ``output`` (default: this process's)."""
+        and stderr appended to ``output`` (default: this process's). Relative paths are
+        this process's: the worker opens ``output`` after it changed to ``cwd``."""
         self.context.set_forkserver_preload(self.preload)  # used once the server starts
         process = self.context.Process(
             target=_worker, name=f"worker {environment.get('RANK', 'spare')}",
-            args=(self.arguments, environment, None if cwd is None else str(cwd),
-                  None if output is None else str(output)))
+            args=(self.arguments, environment, None if cwd is None else str(cwd.resolve()),
+                  None if output is None else str(output.resolve())))
         process.start()
         return ForkedWorker(process)
 
@@ -160,7 +161,10 @@ class ForkedWorker:
         self.process = process
         assert process.pid is not None  # started
         self.pid: int = process.pid
-        self._pidfd: int | None = os.pidfd_open(self.pid)
+        try:
+            self._pidfd: int | None = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # it ended, and its fork server reaped it, already
+            self._pidfd = None
 
     def poll(self) -> int | None:
         """The exit code (negative: the signal that ended it), or None while it runs. The
@@ -169,7 +173,7 @@ class ForkedWorker:
         code = self.process.exitcode
         if code is None or self._pidfd is None:
             return code
-        if not select.select([self._pidfd], [], [], 0)[0]:  # readable once it ended
+        if not _ended(self._pidfd, timeout_ms=0):
             raise RuntimeError(f"the fork server that started worker pid {self.pid} is gone "
                                "while the worker runs: its exit can no longer be observed")
         os.close(self._pidfd)
@@ -186,8 +190,17 @@ class ForkedWorker:
         """Its exit code, once it ended: watched through its pidfd, so that this returns
         once it ended even where its fork server is gone."""
         if self._pidfd is not None:
-            select.select([self._pidfd], [], [])
+            _ended(self._pidfd, timeout_ms=None)
         self.process.join()
         code = self.poll()
         assert code is not None
         return code
+
+
+def _ended(pidfd: int, timeout_ms: int | None) -> bool:
+    """Whether the process behind ``pidfd`` ended (its pidfd is readable then), waiting
+    up to ``timeout_ms`` (None: until it ends). ``poll``, not ``select``: a descriptor
+    numbered 1024 or more is refused by ``select``."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(timeout_ms))

@@ -15,6 +15,9 @@ at most ``max_overhead`` of the training time (CheckFreq's rule), or ``oracle``,
 with the best analytic ETTR at ``mtbf_steps`` (Gemini's oracle; defaults to
 ``faults.mtbf_steps``). Across ranks one ``k`` is chosen, from the slowest rank's figures.
 
+A save that fails (a full disk) ends the job with its error, as ``AsyncCheckpointIO``
+and torchtitan's checkpointer end it, at the latest where the loop next waits for the save.
+
 Recovery is a user's: at a failure every in-flight save dies with the job, every rank loads
 the newest checkpoint that completed on every rank (the initial state when none did) and
 recomputes the lost steps, inside the interrupted iteration so the loop time holds it.
@@ -49,25 +52,53 @@ PEER_OPTIONS = frozenset({"interval", "max_overhead", "mtbf_steps"})
 
 
 class _CompletionIO(TorchCheckpointIO):
-    """Lightning's torch checkpoint IO that records which files finished writing."""
+    """Lightning's torch checkpoint IO that records which files finished writing, and
+    which failed with what (``AsyncCheckpointIO`` would raise a failure only at its next
+    save or at teardown)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.finished: set[str] = set()
+        self.failed: dict[str, BaseException] = {}
         self._lock = threading.Lock()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any | None = None) -> None:
-        super().save_checkpoint(checkpoint, path, storage_options)
+        try:
+            super().save_checkpoint(checkpoint, path, storage_options)
+        except BaseException as error:
+            with self._lock:
+                self.failed[str(path)] = error
+            raise
         with self._lock:
             self.finished.add(str(path))
+
+    def done(self, path: Path) -> bool:
+        """Whether ``path`` finished writing; raises its save's error if it failed."""
+        with self._lock:
+            error = self.failed.get(str(path))
+            finished = str(path) in self.finished
+        if error is not None:
+            raise error
+        return finished
+
+
+def _dcp_done(future: Future[Any]) -> bool:
+    """Whether the DCP save behind ``future`` finished; raises its error if it failed."""
+    if not future.done():
+        return False
+    future.result()
+    return True
 
 
 @dataclass
 class _Save:
     step: int  # optimizer steps the saved state has taken
     path: Path
+    # Whether the save completed; raises the save's own error if it failed, so that a
+    # failed save (a full disk) ends the job with that error, as it would for a user,
+    # instead of being waited for forever or taken for a checkpoint to restart from.
     done: Callable[[], bool]
 
 
@@ -111,6 +142,10 @@ class PeerCheckpointing:
         # group they would interleave with training's (torchtitan gives it a group too).
         self.group = (dist.new_group(backend="gloo")
                       if self.distributed and policy == "dcp" else None)
+        # The ranks agree on k and on the newest complete checkpoint with host tensors: on
+        # a group of their own, which works whatever the training group's backend (NCCL
+        # takes device tensors only) and never meets the DCP save thread's collectives.
+        self.control = dist.new_group(backend="gloo") if self.distributed else None
         self._dcp_save: Future[Any] | None = None  # the newest DCP save
         self.saves: list[_Save] = []
         self.save_s = 0.0  # wall time of one complete save, measured at step 0
@@ -138,9 +173,9 @@ class PeerCheckpointing:
         if self.io is not None:
             path = self.directory / f"step-{step}.ckpt"
             self.io.save_checkpoint(self._state(), path)
-            finished = self.io.checkpoint_io
-            assert isinstance(finished, _CompletionIO)
-            return _Save(step, path, lambda: str(path) in finished.finished)
+            completion = self.io.checkpoint_io
+            assert isinstance(completion, _CompletionIO)
+            return _Save(step, path, lambda: completion.done(path))
         path = self.directory / f"step-{step}"
         # One save in flight, as torchtitan keeps it: each async_save runs in a thread of
         # its own, and two in flight would run their collectives in either order on each
@@ -153,7 +188,7 @@ class PeerCheckpointing:
                                 process_group=self.group)
         assert isinstance(future, Future)  # the default (thread) async save
         self._dcp_save = future
-        return _Save(step, path, future.done)
+        return _Save(step, path, lambda: _dcp_done(future))
 
     # -- the loop's calls -------------------------------------------------------------
     def begin(self) -> None:
@@ -222,7 +257,7 @@ class PeerCheckpointing:
         newest = max((s.step for s in self.saves if s.done()), default=0)
         if self.distributed:
             agreed = torch.tensor([newest])
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.control)
             newest = int(agreed.item())
         return newest
 
@@ -247,7 +282,7 @@ class PeerCheckpointing:
         save_s = self.save_s
         if self.distributed:
             slowest = torch.tensor([iteration, save_s], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.control)
             iteration, save_s = slowest.tolist()
         if self.rule == "cap":
             return checkfreq_interval(iteration, save_s, self.max_overhead)
