@@ -204,8 +204,9 @@ FORKED_IN = textwrap.dedent("""
 def test_a_forked_worker_gets_its_directory_threads_log_and_generator(tmp_path: Path) -> None:
     """The fork server imported torch with two threads (its environment's) and NumPy; each
     worker runs with the one thread its own environment names, in its directory, both
-    streams in its log (relative paths taken from the parent's directory), and draws from a NumPy generator of its own (the server's state,
-    copied into both, would make them draw alike)."""
+    streams in its log (relative paths taken from the parent's directory), and draws from
+    a NumPy generator of its own (the server's state, copied into both, would make them
+    draw alike)."""
     script = tmp_path / "forked_in.py"
     script.write_text(FORKED_IN)
     here = tmp_path / "here"
