@@ -57,14 +57,18 @@ def single_thread() -> Any:
         torch.set_num_threads(previous)
 
 
+def whole_batch_sampler(settings: RunSettings) -> SeekableSampler:
+    """The training data's sampler of whole global batches, for a single process."""
+    return SeekableSampler(build_data(settings).train.tokens, settings.data.seq_len,
+                           BatchLayout(settings.global_batch, settings.layout.microbatches),
+                           settings.seed)
+
+
 def reference_run(settings: RunSettings) -> tuple[dict[str, Any], list[float]]:
     """Single-process run of the same global batch: ``(final state, losses)``."""
     with single_thread():
         engine = TrainingEngine.local(settings)
-        sampler = build_data(settings).train
-        whole = SeekableSampler(sampler.tokens, settings.data.seq_len,
-                                BatchLayout(settings.global_batch, settings.layout.microbatches),
-                                settings.seed)
+        whole = whole_batch_sampler(settings)
         losses = [float(engine.train_iteration(*whole.iteration(t)).loss)
                   for t in range(settings.max_steps)]
         return consolidated_state(engine.model, engine.optimizer, settings.max_steps), losses

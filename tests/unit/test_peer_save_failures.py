@@ -12,24 +12,20 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lightning_moe_ckpt.data import BatchLayout, SeekableSampler
-from lightning_moe_ckpt.training.data import build_data
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.peers import PeerCheckpointing
-from tests.distributed.workloads import make_settings
+from lightning_moe_ckpt.training.settings import RunSettings
+from tests.distributed.workloads import make_settings, whole_batch_sampler
 
 FAILING_STEP = 3  # the save of the state after three optimizer steps fails
 DISK_FULL = OSError(28, "No space left on device")
 
 
-def _train(peer: PeerCheckpointing, engine: TrainingEngine, steps: int) -> None:
-    """``steps`` iterations with a save after each (``k`` = 1), then wait for the saves."""
-    settings = make_settings(1, 1, 1, steps=steps)
-    sampler = SeekableSampler(build_data(settings).train.tokens, settings.data.seq_len,
-                              BatchLayout(settings.global_batch, settings.layout.microbatches),
-                              settings.seed)
+def _train(peer: PeerCheckpointing, engine: TrainingEngine, settings: RunSettings) -> None:
+    """The run's iterations with a save after each (``k`` = 1), then wait for the saves."""
+    sampler = whole_batch_sampler(settings)
     peer.begin()
-    while engine.step < steps:
+    while engine.step < settings.max_steps:
         peer.before_iteration(engine.step)
         engine.train_iteration(*sampler.iteration(engine.step))
         peer.after_iteration(0.01)
@@ -70,7 +66,7 @@ def test_a_failed_save_ends_the_job_with_its_error(policy: str, steps: int, tmp_
     engine = TrainingEngine.local(settings)
     peer = PeerCheckpointing(policy, engine, tmp_path, 0, 1, set(), warmup=1, interval=1)
     with pytest.raises(OSError, match="No space left on device"):
-        _train(peer, engine, steps)
+        _train(peer, engine, settings)
     # The checkpoints before the failed one were kept: none was pruned for a failed save.
     names = {path.name for path in tmp_path.rglob("step-*")}
     assert f"step-{FAILING_STEP - 1}" + (".ckpt" if policy == "lightning" else "") in names
