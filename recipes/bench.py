@@ -382,7 +382,9 @@ def paired_section(args: argparse.Namespace, common: list[str],
                      "with_vs_without": float(np.median(pooled)),
                      "with_vs_without_interval": median_interval(pooled),
                      "with_vs_without_runs": [float(np.median(r)) if r else None
-                                              for r in per_run]})
+                                              for r in per_run],
+                     # Kept so that later invocations can be pooled with this one.
+                     "with_vs_without_cycles": [[float(v) for v in r] for r in per_run]})
     lines = ["| policy | runs | cycles | with / without snapshots | 95% interval | per run |",
              "|---|---|---|---|---|---|"]
     for r in rows:

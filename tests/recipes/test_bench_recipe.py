@@ -236,3 +236,38 @@ def test_overhead_gives_the_median_ratio_a_95_percent_interval() -> None:
     table = bench.overhead_markdown([none, moevement])
     assert table[3].split("|")[5].strip() == "1.017-1.158"
     assert json.loads(json.dumps(moevement))["vs_none_interval"] == pytest.approx([1.017, 1.158])
+
+
+def test_paired_blocks_pool_every_runs_cycles_and_keep_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row's ratio and interval are over the cycles of all runs together, and
+    ``bench.json`` keeps each run's cycle ratios, so a later invocation can be pooled
+    with this one."""
+    bench = _bench_module()
+    # Blocks of four steps, the first two of each left out: one ratio per eight steps.
+    taken = ([1] * 4 + [0] * 4) * 3
+    per_run = [[1.02, 1.04, 1.03], [1.01, 1.05, 1.00]]
+    runs = iter(per_run)
+
+    def run_policy(policy: str, out: Path, steps: int, overrides: list[str],
+                   threads: int | None = None) -> dict[str, Any]:
+        assert policy == "gemini" and "checkpoint.paired_blocks=4" in overrides
+        # Per cycle: four steps with snapshots, then four without; 500 ms for the two
+        # steps of each block that are left out.
+        times = [step for ratio in next(runs)
+                 for step in (500.0, 500.0, 100.0 * ratio, 100.0 * ratio,
+                              500.0, 500.0, 100.0, 100.0)]
+        return {"iteration_ms": {"per_step": times}, "snapshot_taken_per_step": taken}
+
+    monkeypatch.setattr(bench, "run_policy", run_policy)
+    args = bench.parse_args(["--out", str(tmp_path), "--policies", "gemini",
+                             "--paired-blocks", "4", "--paired-runs", "2"])[0]
+    args.checkpointing = ["gemini"]
+    lines, (row,) = bench.paired_section(args, [], {})
+    assert row["cycles"] == 6 and row["runs"] == 2
+    for kept, ratios in zip(row["with_vs_without_cycles"], per_run, strict=True):
+        assert kept == pytest.approx(ratios)
+    assert row["with_vs_without_runs"] == pytest.approx([1.03, 1.01])
+    assert row["with_vs_without"] == pytest.approx(1.025)  # median of the six cycles
+    assert json.loads(json.dumps(row))["with_vs_without_cycles"] == row["with_vs_without_cycles"]
+    assert lines[2].split("|")[4].strip() == "1.025x"
