@@ -244,7 +244,7 @@ def test_paired_blocks_pool_every_runs_cycles_and_keep_them(
     ``bench.json`` keeps each run's cycle ratios, so a later invocation can be pooled
     with this one."""
     bench = _bench_module()
-    # Blocks of four steps, the first two of each left out: one ratio per eight steps.
+    # Blocks of four steps: one ratio per eight steps (one cycle).
     taken = ([1] * 4 + [0] * 4) * 3
     per_run = [[1.02, 1.04, 1.03], [1.01, 1.05, 1.00]]
     runs = iter(per_run)
@@ -252,8 +252,8 @@ def test_paired_blocks_pool_every_runs_cycles_and_keep_them(
     def run_policy(policy: str, out: Path, steps: int, overrides: list[str],
                    threads: int | None = None) -> dict[str, Any]:
         assert policy == "gemini" and "checkpoint.paired_blocks=4" in overrides
-        # Per cycle: four steps with snapshots, then four without; 500 ms for the two
-        # steps of each block that are left out.
+        # Per cycle: four steps with snapshots, then four without. A block's step of the
+        # switch and the two after it are left out; its last step alone gives the ratio.
         times = [step for ratio in next(runs)
                  for step in (500.0, 500.0, 100.0 * ratio, 100.0 * ratio,
                               500.0, 500.0, 100.0, 100.0)]
@@ -262,7 +262,6 @@ def test_paired_blocks_pool_every_runs_cycles_and_keep_them(
     monkeypatch.setattr(bench, "run_policy", run_policy)
     args = bench.parse_args(["--out", str(tmp_path), "--policies", "gemini",
                              "--paired-blocks", "4", "--paired-runs", "2"])[0]
-    args.checkpointing = ["gemini"]
     lines, (row,) = bench.paired_section(args, [], {})
     assert row["cycles"] == 6 and row["runs"] == 2
     for kept, ratios in zip(row["with_vs_without_cycles"], per_run, strict=True):
