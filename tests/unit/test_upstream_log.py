@@ -159,6 +159,41 @@ def test_host_buffer_pool_reuses_released_buffers() -> None:
     assert pool.allocated_bytes == _nbytes(first) + _nbytes(other)
 
 
+def test_cpu_logging_reuses_pooled_buffers_once_released() -> None:
+    # Steady-state logging allocates nothing: each iteration's sends, inputs and scalars
+    # go into the buffers the released iterations gave back.
+    log = UpstreamLog(pin_memory=False)
+    buffers = []
+    for it in range(3):
+        log.release_before(it)
+        log(_event("activation", it, 0, 0, _tensor(it)))
+        log.log_inputs(it, torch.full((4, 16), it, dtype=torch.long), None)
+        log.log_scalars(it, torch.tensor(0.5 + it), 1.0, 1e-3)
+        if it == 0:
+            allocated = log.pool.allocated_bytes
+        (act,) = log.activations(it, 0)[0]
+        batch = log.inputs(it)
+        scalars = log.scalars(it)
+        assert act is not None and batch is not None and scalars is not None
+        assert torch.equal(act, _tensor(it))
+        assert batch.inputs is not None and bool((batch.inputs == it).all())
+        assert torch.equal(torch.as_tensor(scalars.clip_coef), torch.tensor(0.5 + it))
+        buffers.append(act.data_ptr())
+    assert allocated == _nbytes(_tensor(0)) + 4 * 16 * 8 + 4
+    assert log.pool.allocated_bytes == allocated  # nothing allocated after the first
+    assert buffers[1] == buffers[0] and buffers[2] == buffers[0]
+
+
+def test_a_non_contiguous_cpu_send_is_logged_with_its_strides() -> None:
+    log = UpstreamLog(pin_memory=False)
+    sent = _tensor(5).transpose(1, 2)
+    log(_event("gradient", 0, 0, 1, sent))
+    (logged,) = log.gradients(0, 1)[0]
+    assert logged is not None and torch.equal(logged, sent)
+    assert logged.stride() == sent.stride() and logged.data_ptr() != sent.data_ptr()
+    assert log.pool.allocated_bytes == 0  # cloned, not pooled
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_copies_are_asynchronous_pinned_and_exact() -> None:

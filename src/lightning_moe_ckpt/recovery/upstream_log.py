@@ -6,10 +6,12 @@ every activation the rank sends downstream and every gradient it sends upstream,
 ``(iteration, micro-batch, stage)``, plus stage 0's input batch, the last stage's labels
 and the per-iteration scalars replay cannot recompute locally (clip coefficient, loss
 scale, learning rate). Iterations are 0-based optimizer-step indices; negative ones are
-evaluation and are never logged. CPU tensors are cloned on the spot. CUDA tensors are
-copied on a dedicated side stream into pinned host buffers from a reusable pool, ordered
-after an event recorded on the producing stream, so the main thread never blocks (the
-sender only reads a tensor it sent, so nothing overwrites it before the copy ran);
+evaluation and are never logged. Copies go into host buffers from a reusable pool, so that
+steady-state logging allocates nothing: CPU tensors are copied on the spot (a
+non-contiguous one is cloned, keeping its strides); CUDA tensors are copied on a dedicated
+side stream into pinned buffers, ordered after an event recorded on the producing stream,
+so the main thread never blocks (the sender only reads a tensor it sent, so nothing
+overwrites it before the copy ran);
 :meth:`UpstreamLog.wait` (and every lookup) completes outstanding copies. Entries are freed
 by :meth:`UpstreamLog.release_before` when a newer window persists, and :meth:`UpstreamLog.drop`
 models what a failed rank loses. Logging an entry again (replay regenerating a lost log)
@@ -49,9 +51,11 @@ class IterationScalars:
 
 
 class HostBufferPool:
-    """Reusable host buffers keyed by shape and dtype (pinned for CUDA copies).
+    """Reusable host buffers keyed by shape and dtype (pinned on CUDA machines).
 
-    Pinned allocations are slow and fragment host memory, so buffers freed by
+    Every iteration logs tensors of the same shapes, and an allocation per send would be a
+    hot-path allocation (a large one a fresh mapping the kernel faults in page by page;
+    a pinned one slow and fragmenting host memory), so buffers freed by
     :meth:`UpstreamLog.release_before` are kept for the next iterations' identical shapes.
     """
 
@@ -78,7 +82,7 @@ class HostBufferPool:
 @dataclass
 class _Entry:
     tensors: Tensors
-    pooled: tuple[bool, ...]  # which host tensors came from the pool (CUDA sources)
+    pooled: tuple[bool, ...]  # which host tensors came from the pool
     nbytes: int
 
 
@@ -162,15 +166,19 @@ class UpstreamLog:
                     pooled.append(False)
                     continue
                 source = tensor.detach()
-                if source.device.type == "cuda":
-                    with self._lock:
-                        buffer = self.pool.acquire(source)
-                    on_device.setdefault(source.device, []).append((source, buffer))
-                    copies.append(buffer)
-                    pooled.append(True)
-                else:
-                    copies.append(source.clone())
+                cuda = source.device.type == "cuda"
+                if not cuda and not (source.device.type == "cpu" and source.is_contiguous()):
+                    copies.append(source.clone())  # keeps its strides (pooled: contiguous)
                     pooled.append(False)
+                    continue
+                with self._lock:
+                    buffer = self.pool.acquire(source)
+                if cuda:
+                    on_device.setdefault(source.device, []).append((source, buffer))
+                else:
+                    buffer.copy_(source)
+                copies.append(buffer)
+                pooled.append(True)
         for device, pairs in on_device.items():
             self._issue_device_copies(iteration, device, pairs)
         nbytes = sum(_nbytes(c) for c in copies if c is not None)
