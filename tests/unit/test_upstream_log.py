@@ -153,7 +153,9 @@ def test_host_buffer_pool_reuses_released_buffers() -> None:
     pool = HostBufferPool(pin_memory=False)
     first = pool.acquire(_tensor(0))
     pool.release(first)
+    assert pool.spare_bytes == _nbytes(first)
     assert pool.acquire(_tensor(1)) is first
+    assert pool.spare_bytes == 0
     other = pool.acquire(_tensor(2, torch.bfloat16))  # another dtype: a new buffer
     assert other is not first and other.dtype == torch.bfloat16
     assert pool.allocated_bytes == _nbytes(first) + _nbytes(other)
@@ -179,9 +181,13 @@ def test_cpu_logging_reuses_pooled_buffers_once_released() -> None:
         assert batch.inputs is not None and bool((batch.inputs == it).all())
         assert torch.equal(torch.as_tensor(scalars.clip_coef), torch.tensor(0.5 + it))
         buffers.append(act.data_ptr())
+        # The iteration took back every spare the one before it released.
+        assert log.pool.spare_bytes == 0 and log.host_bytes() == log.nbytes() == allocated
     assert allocated == _nbytes(_tensor(0)) + 4 * 16 * 8 + 4
     assert log.pool.allocated_bytes == allocated  # nothing allocated after the first
     assert buffers[1] == buffers[0] and buffers[2] == buffers[0]
+    log.release_before(3)  # released buffers are spares the log still occupies
+    assert log.nbytes() == 0 and log.host_bytes() == log.pool.spare_bytes == allocated
 
 
 def test_a_non_contiguous_cpu_send_is_logged_with_its_strides() -> None:

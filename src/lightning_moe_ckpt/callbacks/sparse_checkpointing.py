@@ -285,9 +285,9 @@ class SparseCheckpointing(L.Callback, StepHooks):
     def host_bytes(self) -> int:
         """Host bytes this rank's checkpointing holds now: its snapshots (and retained
         saves), their encodings in shared memory (mapped by peers on this node), the
-        copies it keeps for peers and the upstream log."""
+        copies it keeps for peers and the upstream log (with its spare buffers)."""
         coordinator = self.coordinator
-        held = 0 if self.upstream_log is None else self.upstream_log.nbytes()
+        held = 0 if self.upstream_log is None else self.upstream_log.host_bytes()
         if coordinator is not None:
             held += coordinator.store.own_bytes()  # placed snapshots: in the slots below
             if coordinator.replica_store is not None:

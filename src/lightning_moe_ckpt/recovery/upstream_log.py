@@ -64,11 +64,13 @@ class HostBufferPool:
         self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = (
             defaultdict(list))
         self.allocated_bytes = 0
+        self.spare_bytes = 0  # of the free buffers, kept for reuse
 
     def acquire(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer shaped like ``like`` (reused when one is free)."""
         free = self._free[(tuple(like.shape), like.dtype)]
         if free:
+            self.spare_bytes -= _nbytes(like)
             return free.pop()
         self.allocated_bytes += _nbytes(like)
         return torch.empty(like.shape, dtype=like.dtype, device="cpu",
@@ -77,6 +79,7 @@ class HostBufferPool:
     def release(self, buffer: torch.Tensor) -> None:
         """Return a buffer obtained from :meth:`acquire`."""
         self._free[(tuple(buffer.shape), buffer.dtype)].append(buffer)
+        self.spare_bytes += _nbytes(buffer)
 
 
 @dataclass
@@ -317,6 +320,12 @@ class UpstreamLog:
             total += sum(a.nbytes + b.nbytes for a, b in self._inputs.values())
             total += sum(s.entry.nbytes for s in self._scalars.values())
         return total
+
+    def host_bytes(self) -> int:
+        """Host bytes the log occupies: its entries and the pool's spare buffers, which
+        released iterations left for the next ones to reuse."""
+        with self._lock:
+            return self.nbytes() + self.pool.spare_bytes
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
