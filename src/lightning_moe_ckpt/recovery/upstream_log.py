@@ -170,7 +170,8 @@ class UpstreamLog:
                     continue
                 source = tensor.detach()
                 cuda = source.device.type == "cuda"
-                if not cuda and not (source.device.type == "cpu" and source.is_contiguous()):
+                host_contiguous = source.device.type == "cpu" and source.is_contiguous()
+                if not (cuda or host_contiguous):
                     copies.append(source.clone())  # keeps its strides (pooled: contiguous)
                     pooled.append(False)
                     continue
