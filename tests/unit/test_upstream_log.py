@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_moe_ckpt.parallel.pipeline import BoundaryEvent, BoundaryHook
-from lightning_moe_ckpt.recovery import HostBufferPool, UpstreamLog
+from lightning_moe_ckpt.recovery import LogBufferPool, UpstreamLog
 
 
 def _tensor(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -149,8 +149,8 @@ def test_attach_registers_the_log_as_a_boundary_hook() -> None:
     assert list(log.activations(0, 0)) == [0]
 
 
-def test_host_buffer_pool_reuses_released_buffers() -> None:
-    pool = HostBufferPool(pin_memory=False)
+def test_log_buffer_pool_reuses_released_buffers() -> None:
+    pool = LogBufferPool(pin_memory=False)
     first = pool.acquire(_tensor(0))
     pool.release(first)
     assert pool.spare_bytes == _nbytes(first)

@@ -31,8 +31,8 @@ from lightning_moe_ckpt.recovery.scope import (
     restarted,
 )
 from lightning_moe_ckpt.recovery.upstream_log import (
-    HostBufferPool,
     IterationScalars,
+    LogBufferPool,
     LoggedBatch,
     UpstreamLog,
 )
@@ -43,8 +43,8 @@ __all__ = [
     "FailureCounter",
     "FailureEvent",
     "FaultSchedule",
-    "HostBufferPool",
     "IterationScalars",
+    "LogBufferPool",
     "LoggedBatch",
     "LostState",
     "MtbfSchedule",

@@ -50,8 +50,11 @@ class IterationScalars:
     lr: float
 
 
-class HostBufferPool:
-    """Reusable host buffers keyed by shape and dtype (pinned on CUDA machines).
+class LogBufferPool:
+    """The log's reusable host buffers, keyed by shape and dtype (pinned on CUDA machines).
+
+    Snapshots have their own pool, :class:`~lightning_moe_ckpt.checkpoint.pieces.HostBufferPool`,
+    which hands out a set of buffers per piece layout.
 
     Every iteration logs tensors of the same shapes, and an allocation per send would be a
     hot-path allocation (a large one a fresh mapping the kernel faults in page by page;
@@ -101,7 +104,7 @@ class UpstreamLog:
 
     def __init__(self, pin_memory: bool | None = None) -> None:
         cuda = torch.cuda.is_available()
-        self.pool = HostBufferPool(cuda if pin_memory is None else pin_memory)
+        self.pool = LogBufferPool(cuda if pin_memory is None else pin_memory)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         # (kind, iteration, stage, microbatch) -> entry
         self._boundary: dict[tuple[Kind, int, int, int], _Entry] = {}
@@ -253,7 +256,7 @@ class UpstreamLog:
             self._boundary.clear()
             self._inputs.clear()
             self._scalars.clear()
-            self.pool = HostBufferPool(self.pool.pin_memory)
+            self.pool = LogBufferPool(self.pool.pin_memory)
 
     def _free(self, entry: _Entry) -> None:
         for tensor, pooled in zip(entry.tensors, entry.pooled, strict=True):
