@@ -17,13 +17,16 @@ import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from lightning_moe_ckpt.checkpoint.snapshot import restore_rng
 from lightning_moe_ckpt.recovery.replay import RecoveryReport
 from lightning_moe_ckpt.targets.base import TrainingTarget
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 # Key of the RNG states in a durable checkpoint: Lightning's own checkpoint has none, and
 # a model with dropout replays (or resumes) exactly only from the RNG of its step.
@@ -55,22 +58,20 @@ def agree_on_durable(saved: Sequence[str], failed_step: int) -> str | None:
     return mine[max(steps)] if steps else None
 
 
-def recover_from_durable(trainer: Any, engine: TrainingTarget, saved: Sequence[str],
+def recover_from_durable(trainer: pl.Trainer | None, engine: TrainingTarget, saved: Sequence[str],
                          failed_step: int, cause: Exception) -> RecoveryReport:
     """Load the agreed durable checkpoint through ``trainer``'s strategy and replay to
     ``failed_step``; raises :class:`NoUsableCheckpointError` (chained to ``cause``) when
     there is no durable checkpoint to fall back to."""
     started = time.perf_counter()
     path = agree_on_durable(saved, failed_step) if trainer is not None else None
-    if path is None:
+    if trainer is None or path is None:
         raise NoUsableCheckpointError(
             f"recovery from the failure at step {failed_step} found no usable checkpoint "
             f"window ({cause}) and no durable checkpoint to fall back to (set "
             "checkpoint.durable_every and checkpoint.durable_dir, Trainer API)") from cause
     strategy = trainer.strategy
-    teardown = getattr(strategy.checkpoint_io, "teardown", None)
-    if teardown is not None:  # asynchronous writes finish first
-        teardown()
+    strategy.checkpoint_io.teardown()  # asynchronous writes (AsyncCheckpointIO) finish first
     checkpoint = strategy.load_checkpoint(path)
     if RNG_KEY in checkpoint:
         restore_rng(checkpoint[RNG_KEY])

@@ -47,11 +47,13 @@ class MoELanguageModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.engine is not None:
             return
+        # Imported here: the strategy module imports this package's engine and settings.
+        from lightning_moe_ckpt.strategies.trainer import MoEParallelStrategy
+
         strategy = self.trainer.strategy
-        build_engine = getattr(strategy, "build_engine", None)
-        if build_engine is not None:  # MoEParallelStrategy
-            self.engine = build_engine(self.settings)
-            self.data_shard = strategy.core.data_shard  # type: ignore[attr-defined]
+        if isinstance(strategy, MoEParallelStrategy):
+            self.engine = strategy.build_engine(self.settings)
+            self.data_shard = strategy.core.data_shard
         else:
             # Built on the device: a MasterWeightAdamW makes its masters where it is built.
             self.engine = TrainingEngine.local(self.settings, device=strategy.root_device)
