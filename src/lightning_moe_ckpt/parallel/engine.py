@@ -32,7 +32,13 @@ from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
 from lightning_moe_ckpt.precision import compute_dtype
 from lightning_moe_ckpt.training.core import language_model_loss
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.executor import Backward, IterationStats, LossFn, norm_vector
+from lightning_moe_ckpt.training.executor import (
+    Backward,
+    IterationStats,
+    LossFn,
+    accumulate_microbatches,
+    norm_vector,
+)
 from lightning_moe_ckpt.training.settings import RunSettings
 
 
@@ -105,12 +111,7 @@ class DistributedExecutor:
         self.forward_backward_calls += 1
         if self.runner is not None:
             return self.runner.run(iteration, inputs, targets)
-        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
-        for index in range(inputs.shape[0]):
-            loss = loss_fn(self.model(inputs[index]), targets[index])
-            backward(loss)
-            total = total + loss.detach()
-        return total
+        return accumulate_microbatches(self.model, inputs, targets, loss_fn, backward)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,

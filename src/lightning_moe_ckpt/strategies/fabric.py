@@ -31,7 +31,6 @@ from typing_extensions import override
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn
 from lightning_moe_ckpt.parallel.staged_executor import LossFn
-from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.strategies.common import (
     STRATEGY_NAME,
     assign_world_ranks,
@@ -41,8 +40,7 @@ from lightning_moe_ckpt.strategies.common import (
     register,
 )
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
-from lightning_moe_ckpt.strategies.user_model import UserModelSplit
-from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
+from lightning_moe_ckpt.strategies.user_model import SplitModelParallelism, UserModelSplit
 from lightning_moe_ckpt.targets.user_loop import clip_by_total_norm
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.settings import RunSettings
@@ -50,7 +48,7 @@ from lightning_moe_ckpt.training.settings import RunSettings
 __all__ = ["STRATEGY_NAME", "MoEParallelStrategy"]
 
 
-class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
+class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism):
     """Fabric strategy over a pp x dp x ep mesh: the built-in model's
     :class:`TrainingEngine`, or a user's model split by a plan (:meth:`parallelize`)."""
 
@@ -128,24 +126,6 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
         total = self.user_grad_norm()
         clip_by_total_norm(grads, total, float(max_norm))
         return total
-
-    @override
-    def user_layout(self) -> ParallelPlan | None:
-        return self.user_model.layout()
-
-    @override
-    def user_grad_norm(self) -> torch.Tensor:
-        return self.user_model.grad_norm()
-
-    @property
-    @override
-    def data_shard(self) -> int:
-        return self.core.data_shard
-
-    @property
-    @override
-    def user_pipeline(self) -> PipelineExecution | None:
-        return self.user_model.executor
 
     @override
     def _configure_launcher(self) -> None:

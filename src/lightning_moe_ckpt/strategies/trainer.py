@@ -34,7 +34,6 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from typing_extensions import override
 
 from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn, check_user_model
-from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.recovery.rendezvous import await_assignment
 from lightning_moe_ckpt.recovery.supervisor import is_replacement
 from lightning_moe_ckpt.strategies.common import (
@@ -46,15 +45,14 @@ from lightning_moe_ckpt.strategies.common import (
 )
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
 from lightning_moe_ckpt.strategies.real_failures import JoiningLoader
-from lightning_moe_ckpt.strategies.user_model import UserModelSplit
-from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
+from lightning_moe_ckpt.strategies.user_model import SplitModelParallelism, UserModelSplit
 from lightning_moe_ckpt.targets.user_loop import clip_by_total_norm
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable
 from lightning_moe_ckpt.training.settings import RunSettings
 
 
-class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
+class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism):
     """Trainer strategy running a :class:`TrainingEngine` per rank over a pp x dp x ep mesh."""
 
     def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
@@ -257,24 +255,6 @@ class MoEParallelStrategy(ParallelStrategy, UserModelParallelism):
         assert self.user_model.executor is not None
         self.user_model.executor.reduce_gradients()
         return closure_loss
-
-    @override
-    def user_layout(self) -> ParallelPlan | None:
-        return self.user_model.layout()
-
-    @override
-    def user_grad_norm(self) -> torch.Tensor:
-        return self.user_model.grad_norm()
-
-    @property
-    @override
-    def data_shard(self) -> int:
-        return self.core.data_shard
-
-    @property
-    @override
-    def user_pipeline(self) -> PipelineExecution | None:
-        return self.user_model.executor
 
     @override
     def model_to_device(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.parallel.engine import ProcessGroups
@@ -32,6 +33,7 @@ from lightning_moe_ckpt.parallel.model_plans import (
 from lightning_moe_ckpt.parallel.staged_executor import LossFn, StagedExecutor
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
+from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
 
 
 class UserModelSplit:
@@ -146,3 +148,30 @@ class UserModelSplit:
             self.staged, layout, ProcessGroups.from_mesh(self.core.mesh),
             self.core.coordinates, device, micro_batch, seq_len, loss_fn,
             self.core.boundary_hooks, self.full_names)
+
+
+class SplitModelParallelism(UserModelParallelism):
+    """What the targets of a user's loop read from a strategy that splits the model with
+    a :class:`UserModelSplit` over a :class:`MoEParallelCore` (both
+    ``MoEParallelStrategy`` classes)."""
+
+    core: MoEParallelCore
+    user_model: UserModelSplit
+
+    @override
+    def user_layout(self) -> ParallelPlan | None:
+        return self.user_model.layout()
+
+    @override
+    def user_grad_norm(self) -> torch.Tensor:
+        return self.user_model.grad_norm()
+
+    @property
+    @override
+    def data_shard(self) -> int:
+        return self.core.data_shard
+
+    @property
+    @override
+    def user_pipeline(self) -> PipelineExecution | None:
+        return self.user_model.executor

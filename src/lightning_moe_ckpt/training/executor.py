@@ -48,6 +48,19 @@ def norm_vector(grads: Mapping[str, torch.Tensor], index: Mapping[str, int],
     return vector
 
 
+def accumulate_microbatches(model: MoETransformer, inputs: torch.Tensor,
+                            targets: torch.Tensor, loss_fn: LossFn,
+                            backward: Backward) -> torch.Tensor:
+    """Forward and backward of each micro-batch of ``inputs`` (``[M, B, S]``) in turn, the
+    gradients accumulating; returns the sum of the micro-batches' losses (detached)."""
+    total = torch.zeros((), dtype=torch.float32, device=inputs.device)
+    for index in range(inputs.shape[0]):
+        loss = loss_fn(model(inputs[index]), targets[index])
+        backward(loss)
+        total = total + loss.detach()
+    return total
+
+
 def slot_tensor(slots: list[int], device: torch.device) -> torch.Tensor:
     """``slots`` as an index tensor on ``device``. The set of parameters with a gradient
     changes between iterations (an expert without tokens has none), so it is built each
@@ -108,12 +121,7 @@ class LocalExecutor:
                          loss_fn: LossFn, backward: Backward) -> torch.Tensor:
         self.iteration += 1
         self.forward_backward_calls += 1
-        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
-        for index in range(inputs.shape[0]):
-            loss = loss_fn(self.model(inputs[index]), targets[index])
-            backward(loss)
-            total = total + loss.detach()
-        return total
+        return accumulate_microbatches(self.model, inputs, targets, loss_fn, backward)
 
     def reduce_gradients(self, grads: Mapping[str, torch.Tensor]) -> None:
         return None
