@@ -9,8 +9,10 @@ holds no process group.
 :func:`run_python` runs a Python script's ranks this way, as ``torchrun`` would start them
 (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR``/``MASTER_PORT`` set, so
 Lightning sees an externally launched job), or one process that starts whatever it starts
-itself (a supervisor and its workers). Each forked process leads a process group of its own;
-a run that overruns is killed group by group, by pid, and the test fails.
+itself (a supervisor and its workers). Each takes its environment's ``OMP_NUM_THREADS`` for
+torch's threads, as a fresh interpreter and the supervisor's forked workers do. Each forked
+process leads a process group of its own; a run that overruns is killed group by group, by
+pid, and the test fails.
 """
 
 from __future__ import annotations

@@ -23,8 +23,12 @@ from collections.abc import Callable
 from typing import Any
 
 # One intra-op thread in every layout (Lightning would give each of N processes
-# cores // N), so every layout runs the same CPU kernels.
-os.environ["OMP_NUM_THREADS"] = "1"
+# cores // N), so every layout runs the same CPU kernels. Run as a script only: a test that
+# imports this module's names must leave its own process's threads and environment alone
+# (the runs it starts afterwards inherit them).
+RUN_AS_SCRIPT = __name__ == "__main__"
+if RUN_AS_SCRIPT:
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 # Imports build about half a million long-lived objects: skip collecting while they are
 # built and traversing them later (as recipes/train.py does).
@@ -48,7 +52,8 @@ gc.freeze()
 gc.enable()
 # The variable above reaches a fresh interpreter's OpenMP; a rank forked with torch already
 # imported (tests.forked) takes its thread count from this call.
-torch.set_num_threads(1)
+if RUN_AS_SCRIPT:
+    torch.set_num_threads(1)
 
 STEPS, BATCH, SEQ, MICROBATCHES, WINDOW = 8, 4, 16, 2, 2
 CLIP = 0.5  # below the gradient norms here: every step is clipped

@@ -220,6 +220,19 @@ def test_a_forked_worker_gets_its_directory_threads_log_and_generator(tmp_path: 
     assert lines[0] != lines[2], lines
 
 
+def test_a_rank_the_test_harness_forks_runs_with_the_threads_its_environment_names(
+        tmp_path: Path) -> None:
+    """As a fresh interpreter would: the fork server imported torch with the threads of the
+    environment it started in, and a golden run and a supervised one of the same job must
+    run the same kernels to stay bitwise equal (five is no machine's default here)."""
+    script = tmp_path / "threads.py"
+    script.write_text("import torch\nprint(torch.get_num_threads())\n")
+    done = run_python([str(script)], env={**os.environ, "OMP_NUM_THREADS": "5"}, cwd=REPO,
+                      ranks=2, timeout_s=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["5", "5"]
+
+
 def test_a_command_forked_workers_cannot_run_is_refused_naming_it() -> None:
     with pytest.raises(ConfigError, match=r"fork_workers runs .* got the command .*'-c'"):
         Supervisor([sys.executable, "-c", WORKER], 3, fork_workers=True)

@@ -103,9 +103,15 @@ def enter_process(environment: dict[str, str], cwd: str | None = None,
     """In a forked process: take ``environment`` (and nothing else of the server's), the
     directory ``cwd`` and the files ``stdout``/``stderr`` (appended to, created if need
     be; one path may name both), for this process and any it starts, and a NumPy global
-    generator of its own."""
+    generator of its own. The environment's ``OMP_NUM_THREADS`` sets torch's intra-op
+    threads, as it would in a fresh interpreter: OpenMP read the server's at import, and
+    a kernel's reductions split by thread count, so two runs that should be bitwise equal
+    must run with the threads their environments name."""
     os.environ.clear()
     os.environ.update(environment)
+    threads = environment.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
     if cwd is not None:
         os.chdir(cwd)
     for stream, path in ((sys.stdout, stdout), (sys.stderr, stderr)):
@@ -121,9 +127,6 @@ def enter_process(environment: dict[str, str], cwd: str | None = None,
 def _worker(arguments: list[str], environment: dict[str, str], cwd: str | None,
             output: str | None) -> None:
     enter_process(environment, cwd, output, output)
-    threads = environment.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:  # OpenMP read it in the server, at import
-        torch.set_num_threads(int(threads))
     run_as_main(arguments)
 
 
