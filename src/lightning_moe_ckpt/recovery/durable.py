@@ -64,8 +64,7 @@ def recover_from_durable(trainer: pl.Trainer | None, engine: TrainingTarget, sav
     ``failed_step``; raises :class:`NoUsableCheckpointError` (chained to ``cause``) when
     there is no durable checkpoint to fall back to."""
     started = time.perf_counter()
-    path = agree_on_durable(saved, failed_step) if trainer is not None else None
-    if trainer is None or path is None:
+    if trainer is None or (path := agree_on_durable(saved, failed_step)) is None:
         raise NoUsableCheckpointError(
             f"recovery from the failure at step {failed_step} found no usable checkpoint "
             f"window ({cause}) and no durable checkpoint to fall back to (set "
