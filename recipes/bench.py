@@ -233,10 +233,12 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
                                             if thread_cpu_ratios else None),
             "training_thread_cpu_vs_none_runs": thread_cpu_ratios,
             # Rank 0's snapshot copy and replication threads: their own CPU time, which
-            # moves far less between runs than whole-process ratios.
+            # moves far less between runs than whole-process ratios; with the training
+            # thread's in the checkpoint's step hooks, what its snapshots cost in CPU.
             "copy_thread_cpu_ms_per_iter": _thread_cpu_ms(repeats, policy, "copy"),
             "replication_thread_cpu_ms_per_iter": _thread_cpu_ms(repeats, policy,
                                                                  "replication"),
+            "hooks_cpu_ms_per_iter": _thread_cpu_ms(repeats, policy, "training_hooks"),
             "stall_ms_total": metrics.get("stall_ms", 0.0),
             "overhead_pct": metrics.get("checkpoint_overhead_pct", 0.0),
             "snapshot_mb_per_iter": metrics.get("snapshot_bytes_per_iter", 0) / 2**20,
@@ -299,7 +301,8 @@ def overhead_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The fault-free overhead table."""
     lines = ["| policy | iteration ms (median) | vs none | vs none, per repeat "
              "| vs none, 95% interval | CPU ms/iter (all ranks) | CPU vs none "
-             "| training thread CPU vs none | copy / replication CPU ms/iter (rank 0) "
+             "| training thread CPU vs none "
+             "| copy / replication / hooks CPU ms/iter (rank 0) "
              "| stall ms (total) | overhead % | snapshot MiB/iter | W | k | replicas "
              "| host MiB | copy GB/s (snapshot / probe) | checksum GB/s (probe) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -327,20 +330,22 @@ def _interval(bounds: tuple[float, float] | None) -> str:
 
 def _copy_gbps(row: dict[str, Any]) -> str:
     """Snapshot copy bandwidth achieved and the profile's probe, as ``achieved / probe``."""
-    return _pair(row.get("snapshot_copy_gbps"), row.get("copy_probe_gbps"), digits=1)
+    return _joined(row.get("snapshot_copy_gbps"), row.get("copy_probe_gbps"), digits=1)
 
 
 def _thread_cpu(row: dict[str, Any]) -> str:
-    """Rank 0's copy and replication threads' CPU ms per iteration, as ``copy / replication``."""
-    return _pair(row.get("copy_thread_cpu_ms_per_iter"),
-                 row.get("replication_thread_cpu_ms_per_iter"), digits=2)
+    """Rank 0's CPU ms per iteration in its copy and replication threads and in the
+    training thread's checkpoint hooks, as ``copy / replication / hooks``."""
+    return _joined(row.get("copy_thread_cpu_ms_per_iter"),
+                 row.get("replication_thread_cpu_ms_per_iter"),
+                 row.get("hooks_cpu_ms_per_iter"), digits=2)
 
 
-def _pair(first: float | None, second: float | None, digits: int) -> str:
-    """Two optional figures as ``first / second`` (``-`` for a missing one, or for both)."""
-    if first is None and second is None:
+def _joined(*figures: float | None, digits: int) -> str:
+    """Optional figures as ``first / second ...`` (``-`` for a missing one, or for all)."""
+    if all(v is None for v in figures):
         return "-"
-    return " / ".join(_figure(v, digits) for v in (first, second))
+    return " / ".join(_figure(v, digits) for v in figures)
 
 
 def _figure(value: float | None, digits: int) -> str:

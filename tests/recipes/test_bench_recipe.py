@@ -185,7 +185,8 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
                                 for label, ms, t in (("none", none_ms, 80.0),
                                                      ("moevement", moevement_ms, 90.0))}
         runs["moevement"]["checkpoint_thread_cpu_ms_per_iter"] = {
-            "copy": moevement_ms / 100, "replication": moevement_ms / 50}
+            "copy": moevement_ms / 100, "replication": moevement_ms / 50,
+            "training_hooks": moevement_ms / 200}
         runs["moevement"].update(snapshot_copy_gbps=12.34,
                                  profile={"copy_bytes_per_s": 25.0e9,
                                           "checksum_bytes_per_s": 40.0e9})
@@ -205,13 +206,17 @@ def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
     # Rank 0's checkpoint threads: the median over repeats; none has no such threads.
     assert moevement["copy_thread_cpu_ms_per_iter"] == pytest.approx(0.572)
     assert moevement["replication_thread_cpu_ms_per_iter"] == pytest.approx(1.144)
+    assert moevement["hooks_cpu_ms_per_iter"] == pytest.approx(0.286)
     assert none["copy_thread_cpu_ms_per_iter"] is None
+    assert none["hooks_cpu_ms_per_iter"] is None
     table = bench.overhead_markdown(rows)
     # Three repeats are too few for a 95% interval of the median ratio.
     assert moevement["vs_none_interval"] is None and moevement["cpu_vs_none_interval"] is None
     assert table[3].split("|")[5].strip() == "-"
     assert table[3].split("|")[8].strip() == "1.125"  # training thread CPU vs none
-    assert table[2].split("|")[9].strip() == "-" and table[3].split("|")[9].strip() == "0.57 / 1.14"
+    # Rank 0's copy / replication / hooks CPU ms per iteration.
+    assert table[2].split("|")[9].strip() == "-"
+    assert table[3].split("|")[9].strip() == "0.57 / 1.14 / 0.29"
     # Snapshot copy bandwidth achieved, beside the copy bandwidth the profile measured.
     assert table[2].split("|")[17].strip() == "-"
     assert table[3].split("|")[17].strip() == "12.3 / 25.0"

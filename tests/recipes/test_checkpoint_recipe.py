@@ -37,6 +37,8 @@ def test_policy_runs_on_pp2_ep2(tmp_path: Path, policy: str) -> None:
         # The behind-compute copies were timed: a bandwidth, not a division by zero.
         assert metrics["snapshot_copy_ms_per_iter"] > 0 and metrics["snapshot_copy_gbps"] > 0
         assert (threads["replication"] > 0) == (policy != "checkfreq")
+        # ... and the training thread's CPU time in the checkpoint's step hooks.
+        assert threads["training_hooks"] > 0
         # One node, every peer mapping: gemini's snapshots go straight into the shared
         # slots; the partial baselines' stores keep pieces of released snapshots, and
         # CheckFreq has no peers, so they use host buffers of their own.

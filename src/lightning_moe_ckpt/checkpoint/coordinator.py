@@ -136,20 +136,26 @@ class CheckpointCoordinator(StepHooks):
         self.windows_not_covered = 0  # by design for the partial baselines
         self._period_s: float | None = None
         self._last_step_end: float | None = None
+        # The training thread's CPU time in the two step hooks (planning, issuing, the
+        # store): with the copy and replication threads', a snapshot's whole CPU cost.
+        self.hooks_cpu_s = 0.0
         target.hooks.append(self)
         if initial_plan is not None:
             self._take(initial_plan, result=None)
 
     @override
     def before_optimizer_step(self, step: int) -> None:
+        started = time.thread_time()  # a wait for the copies is no CPU time
         stall = self.snapshots.wait_copies()
         self.stall_per_step.append(stall)
         if self._snapshot_taken and self._period_s:
             # Dense policies adapt their interval to the measured cost of a snapshot.
             self.planner.record_overhead(self._period_s, stall)
+        self.hooks_cpu_s += time.thread_time() - started
 
     @override
     def after_optimizer_step(self, step: int, result: StepResult) -> None:
+        started = time.thread_time()
         now = time.perf_counter()
         self._period_s = now - self._last_step_end if self._last_step_end else None
         self._last_step_end = now
@@ -173,6 +179,7 @@ class CheckpointCoordinator(StepHooks):
             error = self.replicator.error
             if error is not None and error is not self._replication_error_reported:
                 self._report_replication_stopped(error)
+        self.hooks_cpu_s += time.thread_time() - started
 
     def _paired_block_plan(self, plan: CapturePlan) -> CapturePlan | None:
         """``plan`` inside a block that takes snapshots, None inside one that does not;
@@ -388,12 +395,14 @@ class CheckpointCoordinator(StepHooks):
             "replication_lag_max": self.max_replication_lag,
             "replica_peers": self.replica_peers,
             "replica_peers_mapping": self.replica_peers_mapping,
-            # This rank's checkpoint threads, CPU ms per iteration: the work they take from
-            # training where cores are shared, steadier than wall-time ratios.
+            # This rank's checkpoint work, CPU ms per iteration: its threads' (the work they
+            # take from training where cores are shared, steadier than wall-time ratios)
+            # and the training thread's in the step hooks.
             "checkpoint_thread_cpu_ms_per_iter": {
                 "copy": 1e3 * (self.snapshots.worker_cpu_s
                                + self.snapshots.checksums.pool_cpu_s) / steps,
-                "replication": 1e3 * self.replication_cpu_s() / steps},
+                "replication": 1e3 * self.replication_cpu_s() / steps,
+                "training_hooks": 1e3 * self.hooks_cpu_s / steps},
             # The behind-compute copies: their time (CUDA: side-stream events) and the
             # bandwidth they achieved, against the profile's measured copy bandwidth.
             "snapshot_copy_ms_per_iter": 1e3 * self.snapshots.copy_s / steps,
