@@ -337,8 +337,8 @@ def _thread_cpu(row: dict[str, Any]) -> str:
     """Rank 0's CPU ms per iteration in its copy and replication threads and in the
     training thread's checkpoint hooks, as ``copy / replication / hooks``."""
     return _joined(row.get("copy_thread_cpu_ms_per_iter"),
-                 row.get("replication_thread_cpu_ms_per_iter"),
-                 row.get("hooks_cpu_ms_per_iter"), digits=2)
+                   row.get("replication_thread_cpu_ms_per_iter"),
+                   row.get("hooks_cpu_ms_per_iter"), digits=2)
 
 
 def _joined(*figures: float | None, digits: int) -> str:
