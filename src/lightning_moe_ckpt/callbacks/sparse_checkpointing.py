@@ -44,9 +44,9 @@ from lightning_moe_ckpt.checkpoint.checksum import require_checksum_threads
 from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator, require_paired_blocks
 from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
 from lightning_moe_ckpt.checkpoint.planners import make_planner, planner_options, setting_options
+from lightning_moe_ckpt.checkpoint.rng import restore_rng, rng_state
 from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
 from lightning_moe_ckpt.checkpoint.shared_slots import SAME_NODE_REPLICAS
-from lightning_moe_ckpt.checkpoint.snapshot import restore_rng, rng_state
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
 from lightning_moe_ckpt.operators import OperatorOverride
 from lightning_moe_ckpt.recovery.durable import RNG_KEY

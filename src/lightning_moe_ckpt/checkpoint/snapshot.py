@@ -41,15 +41,12 @@ several threads, :class:`ChecksumThreads`) and verified on restore.
 from __future__ import annotations
 
 import queue
-import random
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from lightning_moe_ckpt.checkpoint import copy_batches
@@ -382,30 +379,3 @@ def _metadata_to_host(metadata: dict[str, Any]) -> None:
             host.copy_(value, non_blocking=True)
             metadata[key] = host
 
-
-def rng_state() -> dict[str, Any]:
-    """RNG states a replay needs: torch's (CPU, and CUDA when present), Python's
-    ``random`` and NumPy's global generator, the three ``seed_everything`` seeds (a user's
-    step may draw from any of them, e.g. a random crop). Tensors and plain values only,
-    so a checkpoint holding it loads with ``weights_only=True``."""
-    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
-    kind, keys, position, has_gauss, gauss = np.random.get_state(legacy=True)
-    assert isinstance(keys, np.ndarray)  # legacy=True: the MT19937 key array
-    state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss,
-                      gauss)
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: Mapping[str, Any]) -> None:
-    """Inverse of :func:`rng_state`."""
-    torch.set_rng_state(state["cpu"])
-    if "python" in state:  # durable checkpoints of earlier versions hold torch's alone
-        random.setstate(state["python"])
-    if "numpy" in state:
-        kind, keys, position, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss,
-                             gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

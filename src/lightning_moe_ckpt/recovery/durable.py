@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from lightning_moe_ckpt.checkpoint.snapshot import restore_rng
+from lightning_moe_ckpt.checkpoint.rng import restore_rng
 from lightning_moe_ckpt.recovery.replay import RecoveryReport
 from lightning_moe_ckpt.targets.base import TrainingTarget
 

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_moe_ckpt.checkpoint.snapshot import restore_rng, rng_state
+from lightning_moe_ckpt.checkpoint.rng import restore_rng, rng_state
 from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.recovery.batch_log import BatchLog, BatchRecord, host_copy

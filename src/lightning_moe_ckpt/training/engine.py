@@ -15,7 +15,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
-from lightning_moe_ckpt.checkpoint.snapshot import restore_rng, rng_state
+from lightning_moe_ckpt.checkpoint.rng import restore_rng, rng_state
 from lightning_moe_ckpt.models.transformer import MoETransformer
 from lightning_moe_ckpt.parallel.topology import ParallelPlan
 from lightning_moe_ckpt.precision import MasterWeightAdamW
