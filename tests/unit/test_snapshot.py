@@ -10,7 +10,12 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
-from lightning_moe_ckpt.checkpoint.pieces import HostBufferPool, Snapshot
+from lightning_moe_ckpt.checkpoint.pieces import (
+    HostBufferPool,
+    PieceBuffers,
+    PieceLayout,
+    Snapshot,
+)
 from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
 from lightning_moe_ckpt.checkpoint.store import SnapshotStore
 from lightning_moe_ckpt.operators import OperatorRegistry
@@ -312,3 +317,47 @@ def test_module_buffers_are_held_as_of_issue_while_the_copy_runs_behind() -> Non
             for name, tensor in piece.tensors.items():
                 if not name.startswith("buffer:"):
                     assert torch.equal(tensor, weights[name]), name
+
+
+def test_a_packed_piece_is_copied_in_runs_split_by_buffers_copied_at_issue() -> None:
+    """Mixed dtypes, a 0-d step and a buffer copied at issue in the middle: two runs, each
+    one concatenation into the block, and the buffer's bytes between them untouched."""
+    sources = {"a": torch.randn(3, 2), "b": torch.arange(4, dtype=torch.int64),
+               "c": torch.tensor(7.0, dtype=torch.float64), "d": torch.randn(5)}
+    layout = PieceLayout.of("op", "master", sources, at_issue=["b"])
+    assert [span[:2] for span in layout.behind_spans] == [(0, 1), (2, 4)]
+    buffers = PieceBuffers.allocate(layout, pin_memory=False)
+    assert buffers.block is not None and buffers.behind_blocks is not None
+    assert layout.byte_runs is not None
+    buffers.tensors["b"].fill_(-1)  # as the copy at issue left it
+    for run, block in zip(layout.byte_runs, buffers.behind_blocks, strict=True):
+        torch.cat(run, out=block)
+    for name in "acd":
+        assert torch.equal(buffers.tensors[name], sources[name]), name
+    assert torch.equal(buffers.tensors["b"], torch.full((4,), -1))
+
+
+def test_a_non_contiguous_source_is_copied_tensor_by_tensor() -> None:
+    """A parameter (and so its optimizer state) with transposed strides has no flat byte
+    view: its piece is copied tensor by tensor, the others by concatenation, all exact."""
+    model = bias_balanced_moe()
+    transposed = next(p for p in model.parameters() if p.dim() == 2)
+    transposed.data = transposed.data.t().contiguous().t()
+    assert not transposed.is_contiguous()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens).float().square().mean().backward()
+    optimizer.step()
+    registry = OperatorRegistry(model)
+    access = OptimizerStateAccess(optimizer)
+    snapshots = SnapshotEngine(registry, access, rank=0, device=torch.device("cpu"))
+    names = tuple(registry.names)
+    snapshot = snapshots.issue(Plan(0, names, (), 0, 0, 1), {})  # type: ignore[arg-type]
+    copies = snapshots.copy_list(Plan(0, names, (), 0, 0, 1))  # type: ignore[arg-type]
+    assert sum(layout.byte_runs is None for layout in copies.pieces) == 1
+    snapshots.close()
+    for layout in copies.pieces:
+        piece = snapshot.pieces[layout.operator]
+        for name, source in zip(layout.names, layout.sources, strict=True):
+            assert torch.equal(piece.tensors[name], source), (layout.operator, name)
+        assert piece.verify()

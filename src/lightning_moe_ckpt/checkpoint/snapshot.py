@@ -69,12 +69,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class _CopyJob:
     """One snapshot's copies, from the training thread to the copy thread: the copy list
-    of its plan's shape (the sources, their bytes, on CUDA their batches) and the host
-    targets, in the sources' order."""
+    of its plan's shape (the sources, their bytes, on CUDA their batches), the host
+    targets copied tensor by tensor and their sources (on CUDA every behind target and the
+    copy list's sources), and on the host the runs of sources concatenated into a block."""
 
     snapshot: Snapshot
     copies: CopyList
     targets: list[torch.Tensor]
+    sources: tuple[torch.Tensor, ...] | list[torch.Tensor]
+    runs: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]  # (byte views, block bytes)
     ready: torch.cuda.Event | None = None  # CUDA: recorded on the training stream after step t
 
 
@@ -232,12 +235,22 @@ class SnapshotEngine:
         copies = self.copy_list(plan)
         pieces: dict[str, SnapshotPiece] = {}
         targets: list[torch.Tensor] = []
+        # Host copies: a packed piece's sources concatenated into its block, run by run;
+        # the others tensor by tensor, from these sources.
+        sources: list[torch.Tensor] = []
+        runs: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
         at_issue: list[torch.Tensor] = []
         backing = None if placement is None or self.cuda else placement.place(copies)
         for index, layout in enumerate(copies.pieces):
             buffers = (self.pool.acquire(layout) if backing is None
                        else backing.buffers[index])
-            targets.extend(buffers.behind)  # name order, as the sources
+            if self.cuda:
+                targets.extend(buffers.behind)  # name order, as the sources
+            elif buffers.behind_blocks is not None and layout.byte_runs is not None:
+                runs.extend(zip(layout.byte_runs, buffers.behind_blocks, strict=True))
+            else:
+                targets.extend(buffers.behind)
+                sources.extend(layout.behind_sources)
             at_issue.extend(buffers.at_issue)
             piece = SnapshotPiece(layout.operator, layout.kind, buffers.tensors,
                                   buffers=buffers)
@@ -257,7 +270,8 @@ class SnapshotEngine:
             ready = torch.cuda.Event()
             ready.record()  # the side stream's copies start after step t, and after these
         self.pending.append(snapshot)
-        self._copies.put(_CopyJob(snapshot, copies, targets, ready))
+        self._copies.put(_CopyJob(snapshot, copies, targets,
+                                  copies.sources if self.cuda else sources, runs, ready))
         return snapshot
 
     def interrupt_copy(self, step: int) -> None:
@@ -321,8 +335,11 @@ class SnapshotEngine:
         if self.copy_delay_s:
             time.sleep(self.copy_delay_s)
         copy_started = time.perf_counter()
-        if job.targets:  # one call: a per-tensor loop would contend for the GIL
-            torch._foreach_copy_(job.targets, job.copies.sources)
+        # A call per piece, none per tensor: a Python loop would contend for the GIL.
+        for run, block in job.runs:
+            torch.cat(run, out=block)
+        if job.targets:
+            torch._foreach_copy_(job.targets, job.sources)
         self.copy_s += time.perf_counter() - copy_started
 
     def _copy_on_stream(self, job: _CopyJob) -> None:
