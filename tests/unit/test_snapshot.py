@@ -110,7 +110,7 @@ def test_a_failed_copy_is_raised_in_the_training_threads_wait(
     snapshots = SnapshotEngine(engine.registry, engine.state, rank=3,
                                device=torch.device("cpu"))
 
-    def fail(job: object) -> None:
+    def fail(job: object, checksum: bool) -> None:
         raise OSError("copy broke")
 
     monkeypatch.setattr(snapshots, "_copy", fail)
@@ -121,6 +121,35 @@ def test_a_failed_copy_is_raised_in_the_training_threads_wait(
     assert isinstance(raised.value.__cause__, OSError)
     assert snapshot.checksummed.wait(timeout=30)
     assert snapshot.pieces and all(piece.checksum is None for piece in snapshot.pieces.values())
+    assert snapshots.pieces_checksummed == 0
+    snapshots.close()
+
+
+@pytest.mark.timeout(60)  # broken, the wait would never return
+def test_a_checksum_failing_after_some_pieces_leaves_none_checksummed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host pieces are checksummed as they are copied: one failing after others were done
+    leaves the whole snapshot without checksums, not half of it with them."""
+    engine = _engine("32")
+    engine.train_iteration(*_batch(0))
+    snapshots = SnapshotEngine(engine.registry, engine.state, rank=3,
+                               device=torch.device("cpu"))
+    calls = []
+    checksum = snapshots.checksums.checksum
+
+    def fail_third(*args: object) -> int:
+        calls.append(args)
+        if len(calls) == 3:
+            raise OSError("checksum broke")
+        return checksum(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(snapshots.checksums, "checksum", fail_third)
+    snapshot = snapshots.issue(Plan(0, tuple(engine.registry.names), (), 0, 0, 1), {})  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="rank 3: taking snapshots failed"):
+        snapshots.wait_copies()
+    assert len(calls) == 3 and len(snapshot.pieces) > 3
+    assert snapshot.checksummed.wait(timeout=30)
+    assert all(piece.checksum is None for piece in snapshot.pieces.values())
     assert snapshots.pieces_checksummed == 0
     snapshots.close()
 
