@@ -16,13 +16,15 @@ any wait as stall time (invariant 3: the wait is measured, never hidden).
   so that the training stream's own device-to-host reads need not wait behind a whole
   snapshot (by default in one). The main thread never blocks except in that measured
   wait.
-* CPU: the copy thread performs the copies.
+* CPU: the copy thread performs the copies, piece by piece: one ``torch.cat`` of the
+  piece's sources (flat byte views) into its packed block, or a copy per tensor where the
+  piece has no such block.
 
 On CUDA a second thread checksums each snapshot once its copies are done, so the next
-snapshot's copies never wait behind a checksum. On CPU the copy thread checksums what it
-just copied itself: the next snapshot is an iteration away, and CRC32C runs at a few times
-the speed of the copy, while a hand-off to another thread costs a wake-up on cores that
-the ranks share.
+snapshot's copies never wait behind a checksum. On CPU the copy thread checksums each
+piece itself right after copying it, while the bytes are still in its core's cache: the
+next snapshot is an iteration away, and CRC32C runs at a few times the speed of the copy,
+while a hand-off to another thread costs a wake-up on cores that the ranks share.
 
 Persistent module buffers (a balancing bias, normalisation statistics) are the exception:
 a forward may change them in place before optimizer step ``t+1``, so they are copied at
@@ -418,4 +420,3 @@ def _metadata_to_host(metadata: dict[str, Any]) -> None:
             host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
             host.copy_(value, non_blocking=True)
             metadata[key] = host
-
