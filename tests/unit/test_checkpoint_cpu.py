@@ -3,11 +3,14 @@ the step hooks is CPU time, and its wait for the snapshot copies (the stall) is 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.checkpoint.replication import Replicator
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.settings import settings_from_config
 
@@ -40,3 +43,20 @@ def test_step_hooks_report_their_cpu_time_without_the_wait_for_the_copies() -> N
     hooks_ms = metrics["checkpoint_thread_cpu_ms_per_iter"]["training_hooks"]
     steps = len(coordinator.bytes_per_step)  # the iterations trained: 2
     assert hooks_ms > 0 and hooks_ms == pytest.approx(1e3 * coordinator.hooks_cpu_s / steps)
+
+
+def test_filing_between_snapshots_counts_as_replication_cpu() -> None:
+    """The replication thread files its sources' snapshots between its own (polling for a
+    confirmation): that CPU time is the snapshots' cost too, so it is in the thread's
+    figure. (A bare replicator: no group is needed to file nothing but a busy loop.)"""
+    replicator = Replicator.__new__(Replicator)
+    replicator.thread_cpu_s = 0.0
+
+    def busy_filing() -> None:
+        started = time.thread_time()
+        while time.thread_time() - started < 0.05:
+            pass
+
+    replicator._file_sources = busy_filing  # type: ignore[method-assign]
+    replicator._file_idle()
+    assert replicator.thread_cpu_s >= 0.05
