@@ -325,9 +325,7 @@ class SnapshotEngine:
                 self.failure = self.failure or error
                 usable = False
             if usable and checksums is not None:
-                for (piece, *_), checksum in zip(job.host, checksums, strict=True):
-                    piece.checksum = checksum
-                self.pieces_checksummed += len(checksums)
+                self._record_checksums([piece for piece, *_ in job.host], checksums)
             job.snapshot.copied.set()
             self.copy_cpu_s += time.thread_time() - started
             if self._to_checksum is not None:
@@ -399,8 +397,12 @@ class SnapshotEngine:
     def _checksum(self, snapshot: Snapshot) -> None:
         """Checksum every piece of ``snapshot``."""
         pieces = list(snapshot.pieces.values())
-        jobs = [_checksum_views(piece) for piece in pieces]
-        for piece, checksum in zip(pieces, self.checksums.checksum_many(jobs), strict=True):
+        self._record_checksums(pieces, self.checksums.checksum_many(
+            [_checksum_views(piece) for piece in pieces]))
+
+    def _record_checksums(self, pieces: list[SnapshotPiece], checksums: list[int]) -> None:
+        """Give each piece its checksum, all of a snapshot's at once (none if any failed)."""
+        for piece, checksum in zip(pieces, checksums, strict=True):
             piece.checksum = checksum
         self.pieces_checksummed += len(pieces)
 
