@@ -107,6 +107,7 @@ def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
                                same_node_replicas=checkpoint.same_node_replicas,
                                checksum_threads=checkpoint.checksum_threads,
                                paired_blocks=checkpoint.paired_blocks,
+                               helper_nice=checkpoint.helper_nice,
                                **checkpoint.options)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_moe_ckpt.checkpoint.checksum import default_threads
+from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE
 from lightning_moe_ckpt.checkpoint.replication import decode_snapshot
 from tests.recipes.test_train_recipe import assert_states_equal, run_recipe
 
@@ -112,14 +113,18 @@ def test_durable_retention_keeps_only_the_newest_checkpoints(tmp_path: Path) -> 
 
 def test_checksum_threads_setting_reaches_the_snapshot_engine(tmp_path: Path) -> None:
     """``checkpoint.checksum_threads`` sets the threads each rank checksums with; left
-    null, a rank takes its share of the cores (at most 8)."""
+    null, a rank takes its share of the cores (at most 8). ``checkpoint.helper_nice``
+    reaches the coordinator the same way (19 unless set)."""
     result = run_recipe(tmp_path / "set", "checkpoint.checksum_threads=3",
+                        "checkpoint.helper_nice=7",
                         "trainer.max_steps=4", "trainer.val_every=4")
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = json.loads((tmp_path / "set" / "metrics.json").read_text())
     assert metrics["checksum_threads"] == 3
+    assert metrics["helper_nice"] == 7
     assert metrics["pieces_checksummed"] == metrics["pieces_issued"] > 0
     result = run_recipe(tmp_path / "auto", "trainer.max_steps=4", "trainer.val_every=4")
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = json.loads((tmp_path / "auto" / "metrics.json").read_text())
     assert metrics["checksum_threads"] == default_threads(1)
+    assert metrics["helper_nice"] == DEFAULT_HELPER_NICE

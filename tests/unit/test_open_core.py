@@ -480,6 +480,7 @@ def test_a_failure_injector_without_its_checkpointing_callback_is_refused() -> N
      r"checkpoint\.same_node_replicas=True must be one of 'shared', 'copied'"),
     ({"top_k": None, "n_experts": 4}, r"unknown option\(s\) checkpoint\.n_experts"),
     ({"checksum_threads": True}, r"checkpoint\.checksum_threads=True must be an integer >= 1"),
+    ({"helper_nice": -1}, r"checkpoint\.helper_nice=-1 must be an integer from 0"),
 ])
 def test_bad_callback_arguments_name_the_setting(options: dict[str, object],
                                                  needle: str) -> None:

@@ -93,6 +93,10 @@ def test_unknown_preset_names_group_and_value() -> None:
      r"checkpoint\.checksum_threads='two' must be an integer >= 1"),
     (["checkpoint=none", "+checkpoint.checksum_threads=2"],
      r"checkpoint\.checksum_threads=2 has no effect with checkpoint=none"),
+    (["checkpoint.helper_nice=20"],
+     r"checkpoint\.helper_nice=20 must be an integer from 0 .* to 19"),
+    (["checkpoint=lightning", "+checkpoint.helper_nice=5"],
+     r"checkpoint\.helper_nice=5 has no effect with checkpoint=lightning"),
     (["+data.path=/tmp/corpus.txt"], r"data\.path='/tmp/corpus\.txt' is a setting of "
                                      r"data=textfile; data=stdlib does not use it"),
     (["data=textfile", "+data.val_percent=3"], r"data\.val_percent=3 is a setting of"),

@@ -42,6 +42,7 @@ from lightning_moe_ckpt.callbacks.planner_profiling import PlannerProfiling
 from lightning_moe_ckpt.checkpoint.agreement import LargestAcrossRanks
 from lightning_moe_ckpt.checkpoint.checksum import require_checksum_threads
 from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator, require_paired_blocks
+from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE, require_helper_nice
 from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
 from lightning_moe_ckpt.checkpoint.planners import make_planner, planner_options, setting_options
 from lightning_moe_ckpt.checkpoint.rng import restore_rng, rng_state
@@ -92,7 +93,10 @@ class SparseCheckpointing(L.Callback, StepHooks):
     memory (``same_node_replicas="shared"``: it outlives this process, and no bytes are
     copied) or receives a copy (``"copied"``). ``paired_blocks=N`` is a measurement, not
     a setting for protected training: snapshots are taken in alternate blocks of N steps
-    only (:mod:`~lightning_moe_ckpt.checkpoint.coordinator`).
+    only (:mod:`~lightning_moe_ckpt.checkpoint.coordinator`). ``helper_nice`` is added to
+    the nice value of the threads that copy, checksum, replicate and write snapshots, so
+    that on shared cores they yield to the training threads
+    (:mod:`~lightning_moe_ckpt.checkpoint.helper_threads`; 0: the same priority).
     """
 
     records_for_replay = True  # its step hook logs the scalars a replay reuses
@@ -104,7 +108,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
                  top_k: int | None = None,
                  router_parser: RouterParser | None = None,
                  same_node_replicas: str = "shared", checksum_threads: int | None = None,
-                 paired_blocks: int | None = None, **options: Any) -> None:
+                 paired_blocks: int | None = None, helper_nice: int = DEFAULT_HELPER_NICE,
+                 **options: Any) -> None:
         known = setting_options(policy)  # raises for an unknown policy
         unknown = sorted(set(options) - known)
         require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)}"
@@ -118,6 +123,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
                 f"{fmt('checkpoint.upstream_logging', upstream_logging)} must be True or False")
         require_checksum_threads(checksum_threads)
         require_paired_blocks(paired_blocks)
+        require_helper_nice(helper_nice)
         require(same_node_replicas in SAME_NODE_REPLICAS,
                 f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
                 f"{', '.join(map(repr, SAME_NODE_REPLICAS))}")
@@ -128,6 +134,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self.warmup_iterations = warmup_iterations
         self.checksum_threads = checksum_threads  # None: the rank's share of the cores
         self.paired_blocks = paired_blocks  # a measurement: snapshots in alternate blocks
+        self.helper_nice = helper_nice  # added to the helper threads' nice value
         self.options = options
         self.coordinator: CheckpointCoordinator | None = None
         self.target: TrainingTarget | None = None
@@ -201,7 +208,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
             target, planner, rank, world_size, self.replicas, ranks_per_node, device,
             copy_delay_s, initial_plan=initial if take_initial else None,
             persist_dir=persist_dir, share_same_node=self.same_node_replicas == "shared",
-            checksum_threads=self.checksum_threads, paired_blocks=self.paired_blocks)
+            checksum_threads=self.checksum_threads, paired_blocks=self.paired_blocks,
+            helper_nice=self.helper_nice)
         if target.batch_log is not None:
             self.coordinator.store.release_listeners.append(target.batch_log.release_before)
         if self.upstream_log is not None and target.layout.pp > 1:

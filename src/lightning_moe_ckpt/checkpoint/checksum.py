@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import crc32c
 import torch
 
+from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE, lower_priority
 from lightning_moe_ckpt.errors import fmt, require
 
 
@@ -147,13 +148,15 @@ class ChecksumThreads:
     """CRC32C of buffers back to back, large ones split over ``threads`` pool threads (the
     calling thread only folds their values: with one thread it does the work itself)."""
 
-    def __init__(self, threads: int, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, threads: int, chunk_bytes: int = CHUNK_BYTES,
+                 helper_nice: int = DEFAULT_HELPER_NICE) -> None:
         if threads < 1 or chunk_bytes < 1:
             raise ValueError(f"checksum threads={threads} and chunk_bytes={chunk_bytes} "
                              "must be >= 1")
         self.threads = threads
         self.chunk_bytes = chunk_bytes
-        self._pool = (ThreadPoolExecutor(threads, thread_name_prefix="checksum")
+        self._pool = (ThreadPoolExecutor(threads, thread_name_prefix="checksum",
+                                         initializer=lower_priority, initargs=(helper_nice,))
                       if threads > 1 else None)
         self.pool_cpu_s = 0.0  # the pool threads' CPU time (the caller's is its own)
 

@@ -47,6 +47,7 @@ import torch
 from typing_extensions import override
 
 from lightning_moe_ckpt.checkpoint.checksum import default_threads
+from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE, require_helper_nice
 from lightning_moe_ckpt.checkpoint.persist import DiskPersister
 from lightning_moe_ckpt.checkpoint.pieces import HostBufferPool
 from lightning_moe_ckpt.checkpoint.replication import Replicator
@@ -77,10 +78,13 @@ class CheckpointCoordinator(StepHooks):
                  copy_delay_s: float = 0.0, initial_plan: CapturePlan | None = None,
                  persist_dir: str | None = None, share_same_node: bool = True,
                  checksum_threads: int | None = None,
-                 paired_blocks: int | None = None) -> None:
+                 paired_blocks: int | None = None,
+                 helper_nice: int = DEFAULT_HELPER_NICE) -> None:
         require_paired_blocks(paired_blocks)
+        require_helper_nice(helper_nice)
         self.target = target
         self.paired_blocks = paired_blocks
+        self.helper_nice = helper_nice  # added to the helper threads' nice value
         self._in_snapshot_block = True  # paired_blocks: whether the current window is taken
         self.planner = planner
         self.rank = rank
@@ -89,12 +93,14 @@ class CheckpointCoordinator(StepHooks):
         self.snapshots = SnapshotEngine(target.registry, target.state, rank, device,
                                         self.pool, copy_delay_s,
                                         checksum_threads=(checksum_threads
-                                                          or default_threads(ranks_per_node)))
+                                                          or default_threads(ranks_per_node)),
+                                        helper_nice=helper_nice)
         effective = min(replicas, world_size - 1)
         self._acks: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         acknowledge = lambda start, step: self._acks.put((start, step))  # noqa: E731
         # A snapshot persists by replication to peers, or (CheckFreq) by a write to disk.
-        self.persister = DiskPersister(persist_dir, acknowledge) if persist_dir else None
+        self.persister = (DiskPersister(persist_dir, acknowledge, helper_nice=helper_nice)
+                          if persist_dir else None)
         # Partial restores need every operator's newest save, however old.
         partial = planner.restores_partially
         store_type = RetainingSnapshotStore if partial else SnapshotStore
@@ -103,7 +109,7 @@ class CheckpointCoordinator(StepHooks):
         self.share_same_node = share_same_node
         self.replicator = (Replicator(effective, ranks_per_node, acknowledge,
                                       RetainingReplicaStore() if partial else None,
-                                      share_same_node)
+                                      share_same_node, helper_nice)
                            if effective > 0 and self.persister is None else None)
         self.replica_store = None if self.replicator is None else self.replicator.replicas
         # Deterministic placement, recorded in metrics.json, with the peers (on this node)
@@ -317,7 +323,7 @@ class CheckpointCoordinator(StepHooks):
         self._slot_bytes_before = max(self._slot_bytes_before, old.slot_bytes_peak())
         self._replication_cpu_s_before += old.thread_cpu_s
         self.replicator = Replicator(*self._replication_args, old.replicas,
-                                     self.share_same_node)
+                                     self.share_same_node, old.helper_nice)
         self.replica_peers_mapping = sorted(self.replicator.mapping_peers)
         self.replicator.before_payload = old.before_payload
 
@@ -409,6 +415,7 @@ class CheckpointCoordinator(StepHooks):
             "snapshot_copy_gbps": (self.snapshots.bytes_copied / self.snapshots.copy_s / 1e9
                                    if self.snapshots.copy_s else None),
             "checksum_threads": self.snapshots.checksums.threads,
+            "helper_nice": self.helper_nice,
             "snapshots_taken": self.snapshots_taken,
             "snapshots_replicated": self.snapshots_confirmed,
             "pieces_issued": self.snapshots.pieces_issued,

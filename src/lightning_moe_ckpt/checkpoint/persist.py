@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import os
 import queue
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from lightning_moe_ckpt.checkpoint.codec import encode_snapshot
+from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE, HelperThread
 from lightning_moe_ckpt.checkpoint.pieces import Snapshot
 
 
@@ -30,7 +30,7 @@ class DiskPersister:
     """Background writer of snapshots to ``directory``."""
 
     def __init__(self, directory: str, on_persisted: Callable[[int, int], None],
-                 keep: int = 2) -> None:
+                 keep: int = 2, helper_nice: int = DEFAULT_HELPER_NICE) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in [*self.directory.glob("step=*.snapshot"),
@@ -40,7 +40,7 @@ class DiskPersister:
         self.keep = keep
         self.written: list[str] = []
         self._queue: queue.Queue[Snapshot | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="snapshot-persist", daemon=True)
+        self._thread = HelperThread(self._run, "snapshot-persist", helper_nice)
         self._thread.start()
 
     def submit(self, snapshot: Snapshot) -> None:

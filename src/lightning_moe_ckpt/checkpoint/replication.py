@@ -63,6 +63,7 @@ from lightning_moe_ckpt.checkpoint.codec import (
     decode_snapshot,
     encode_snapshot,
 )
+from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE, HelperThread
 from lightning_moe_ckpt.checkpoint.pieces import Snapshot
 from lightning_moe_ckpt.checkpoint.replica_store import ReplicaStore
 from lightning_moe_ckpt.checkpoint.shared_slots import (
@@ -111,7 +112,8 @@ class Replicator:
     def __init__(self, replicas: int, ranks_per_node: int,
                  on_replicated: Callable[[int, int], None],
                  replica_store: ReplicaStore | None = None,
-                 share_same_node: bool = True) -> None:
+                 share_same_node: bool = True,
+                 helper_nice: int = DEFAULT_HELPER_NICE) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.replica_count, self.ranks_per_node = replicas, ranks_per_node
@@ -179,8 +181,8 @@ class Replicator:
         self._abandoned = False
         self._group_lock = threading.Lock()
         self._queue: queue.Queue[Snapshot | _Drain | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="snapshot-replication",
-                                        daemon=True)
+        self.helper_nice = helper_nice  # the thread's, and a re-formed replicator's
+        self._thread = HelperThread(self._run, "snapshot-replication", helper_nice)
         self._thread.start()
 
     @property

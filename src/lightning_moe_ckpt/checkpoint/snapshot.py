@@ -43,7 +43,6 @@ several threads, :class:`ChecksumThreads`) and verified on restore.
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -53,6 +52,7 @@ import torch
 
 from lightning_moe_ckpt.checkpoint import copy_batches
 from lightning_moe_ckpt.checkpoint.checksum import ChecksumThreads, tensor_views
+from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE, HelperThread
 from lightning_moe_ckpt.checkpoint.pieces import (
     HostBufferPool,
     PieceKind,
@@ -126,9 +126,11 @@ class SnapshotEngine:
     def __init__(self, registry: OperatorRegistry, state: OptimizerStateAccess, rank: int,
                  device: torch.device, pool: HostBufferPool | None = None,
                  copy_delay_s: float = 0.0, checksum_threads: int = 1,
-                 checksum_thread: bool | None = None) -> None:
+                 checksum_thread: bool | None = None,
+                 helper_nice: int = DEFAULT_HELPER_NICE) -> None:
         """``checksum_thread``: whether a thread of its own checksums the copied snapshots
-        (None: on CUDA only, see the module docstring)."""
+        (None: on CUDA only, see the module docstring); ``helper_nice``: added to the nice
+        value of the copy and checksum threads (:mod:`.helper_threads`)."""
         self.registry = registry
         self.state = state
         self.rank = rank
@@ -152,7 +154,7 @@ class SnapshotEngine:
         self.copy_s = 0.0
         self.bytes_copied = 0  # behind-compute bytes of the timed copies
         # Large pieces are checksummed on several threads, to keep up with a GPU's copies.
-        self.checksums = ChecksumThreads(checksum_threads)
+        self.checksums = ChecksumThreads(checksum_threads, helper_nice=helper_nice)
         self.copy_lists: dict[tuple[tuple[str, ...], tuple[str, ...]], CopyList] = {}
         self.copy_batch_bytes: int | None = copy_batches.COPY_BATCH_BYTES
         # CUDA: the copy thread's ring of events, one per batch it may have queued.
@@ -175,9 +177,9 @@ class SnapshotEngine:
         self._to_checksum: queue.Queue[tuple[Snapshot, bool] | None] | None = (
             queue.Queue() if self.checksum_thread else None)
         self._threads = (
-            threading.Thread(target=self._copy_loop, name="snapshot-copy", daemon=True),
-            *([threading.Thread(target=self._checksum_loop, name="snapshot-checksum",
-                                daemon=True)] if self.checksum_thread else []))
+            HelperThread(self._copy_loop, "snapshot-copy", helper_nice),
+            *([HelperThread(self._checksum_loop, "snapshot-checksum", helper_nice)]
+              if self.checksum_thread else []))
         for thread in self._threads:
             thread.start()
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_moe_ckpt.checkpoint.checksum import require_checksum_threads
 from lightning_moe_ckpt.checkpoint.coordinator import require_paired_blocks
+from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE, require_helper_nice
 from lightning_moe_ckpt.checkpoint.shared_slots import SAME_NODE_REPLICAS
 from lightning_moe_ckpt.data.corpus import BYTE_VOCAB_SIZE
 from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
@@ -25,7 +26,7 @@ from lightning_moe_ckpt.precision import Precision, parse_precision
 Api = Literal["trainer", "fabric"]
 DATA_SOURCES = ("stdlib", "textfile")
 COMMON_CHECKPOINT_KEYS = ("checksum_threads", "durable_dir", "durable_every", "durable_keep",
-                          "paired_blocks", "replicas", "same_node_replicas",
+                          "helper_nice", "paired_blocks", "replicas", "same_node_replicas",
                           "upstream_logging", "warmup_iterations")
 PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "schedule", "spares")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
@@ -89,6 +90,7 @@ class CheckpointSettings:
     same_node_replicas: str = "shared"  # a peer on the same node maps the snapshot, or copies it
     checksum_threads: int | None = None  # None: the rank's share of the cores, at most 8
     paired_blocks: int | None = None  # a measurement: snapshots in alternate blocks of N steps
+    helper_nice: int = DEFAULT_HELPER_NICE  # added to the helper threads' nice value
 
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
@@ -111,6 +113,8 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     require_checksum_threads(checksum_threads)
     paired_blocks = values.pop("paired_blocks", None)
     require_paired_blocks(paired_blocks)
+    helper_nice = values.pop("helper_nice", DEFAULT_HELPER_NICE)
+    require_helper_nice(helper_nice)
     require(same_node_replicas in SAME_NODE_REPLICAS,
             f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
             f"{', '.join(SAME_NODE_REPLICAS)}")
@@ -141,9 +145,13 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
         require(paired_blocks is None,
                 f"{fmt('checkpoint.paired_blocks', paired_blocks)} has no effect with "
                 f"checkpoint={policy}, which takes no snapshots; leave it null")
+        require("helper_nice" not in given,
+                f"{fmt('checkpoint.helper_nice', helper_nice)} has no effect with "
+                f"checkpoint={policy}, which runs no helper threads of this library; "
+                "leave it out")
     return CheckpointSettings(policy, replicas, warmup, values, durable_every, durable_dir,
                               upstream_logging, durable_keep, same_node_replicas,
-                              checksum_threads, paired_blocks)
+                              checksum_threads, paired_blocks, helper_nice)
 
 
 @dataclass(frozen=True)
