@@ -8,13 +8,18 @@ a higher nice value (``checkpoint.helper_nice``, added to the process's own, as 
 adds it, at most 19), a helper mostly takes the time a core would otherwise idle: a
 pipeline bubble, a rank waiting on a collective. Its work is the same; the training
 threads are interrupted less. Under pp2 x ep2 on two shared cores this took the paired
-with/without-snapshot ratio from 1.023-1.027 to 1.005-1.015 (docs/measurements.md). On a
-machine with a core to spare for each helper it changes nothing.
+with/without-snapshot ratio of direct runs from 1.023-1.027 to 1.005-1.015, and the bench's
+from 1.033 to 1.026 (docs/measurements.md). On a machine with a core to spare for each
+helper it changes nothing.
 
-The helpers never wait on the training thread's behalf for long: the copy thread is
-waited for before the next optimizer step (the training thread then sleeps, and the helper
-has the core), the others by the recovery. Heartbeat threads (:mod:`~lightning_moe_ckpt.
-recovery.rendezvous`) are not helpers: a late heartbeat reads as a hung worker.
+A lower priority cannot leave the copy behind by more than a step: the training thread
+waits for it before the next optimizer step, and sleeps meanwhile, leaving it the core
+(the wait is the stall ``metrics.json`` reports). Replication that falls behind shows as
+``max_replication_lag``. A helper preempted while it holds the interpreter lock keeps its
+process's training thread waiting for the lock until it runs again; the step times of
+the measurement above showed no such tail. Heartbeat threads
+(:mod:`~lightning_moe_ckpt.recovery.rendezvous`) are not helpers: a late heartbeat reads as
+a hung worker.
 
 Linux keeps a nice value per thread; elsewhere ``setpriority`` applies to the whole
 process, so the setting is not applied there and :func:`lower_priority` warns once.
