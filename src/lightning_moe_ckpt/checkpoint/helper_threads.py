@@ -54,9 +54,11 @@ def require_helper_nice(value: object) -> None:
 
 
 def lower_priority(nice: int) -> int | None:
-    """Add ``nice`` to the calling thread's nice value (at most :data:`MAX_NICE`); returns
-    the new value, or None where nothing was changed (``nice`` 0, or a platform without
-    per-thread nice values, or the kernel refused: both warned of once)."""
+    """Set the calling thread's nice value to the process's plus ``nice`` (at most
+    :data:`MAX_NICE`): the process's, not the thread's own, since a thread inherits its
+    creator's, and a pool thread a helper started would otherwise add ``nice`` twice.
+    Returns the new value, or None where nothing was changed (``nice`` 0, or a platform
+    without per-thread nice values, or the kernel refused: both warned of once)."""
     if nice == 0:
         return None
     if not _PER_THREAD:
@@ -66,7 +68,8 @@ def lower_priority(nice: int) -> int | None:
         return None
     thread = threading.get_native_id()
     try:
-        value = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, thread) + nice)
+        # (On Linux the process's value is its main thread's.)
+        value = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice)
         os.setpriority(os.PRIO_PROCESS, thread, value)
     except OSError as error:
         _warn_once(f"{fmt('checkpoint.helper_nice', nice)} could not be applied ({error}); "
@@ -83,7 +86,7 @@ def _warn_once(message: str) -> None:
 
 
 class HelperThread(threading.Thread):
-    """A daemon thread that runs ``target`` at ``nice`` below its creator's priority."""
+    """A daemon thread that runs ``target`` at ``nice`` below the process's priority."""
 
     def __init__(self, target: Callable[[], None], name: str, nice: int) -> None:
         require_helper_nice(nice)
