@@ -5,7 +5,7 @@ while the training thread goes on. Where cores are shared (more ranks and thread
 cores, as on a CPU run of several ranks), a helper woken after an optimizer step competes
 with the training threads of every rank, and the scheduler lets it preempt them. Run with
 a higher nice value (``checkpoint.helper_nice``, added to the process's own, as ``nice -n``
-adds it, at most 19), a helper mostly takes the time a core would otherwise idle: a
+adds it, at most 19), a helper takes more of the time a core would otherwise idle: a
 pipeline bubble, a rank waiting on a collective. Its work is the same; the training
 threads are interrupted less. Under pp2 x ep2 on two shared cores this took the paired
 with/without-snapshot ratio of direct runs from 1.023-1.027 to 1.005-1.015, and the bench's
