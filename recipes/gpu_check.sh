@@ -14,7 +14,10 @@
 #   bench_sized  the same on a model sized to the GPU (the paper's GPT-MoE widths, 2 layers
 #                of 16 experts, 0.8B parameters, sequences of 1024): iteration time against
 #                checkpoint=none, stall, snapshot bytes, and the snapshot copies' achieved
-#                GB/s next to the pinned bandwidth the run's profile measured.
+#                GB/s next to the pinned bandwidth the run's profile measured;
+#   helper_nice  (by name only, not in the default list) moevement on the sized model with
+#                its helper threads at the training threads' priority
+#                (checkpoint.helper_nice=0), to set beside bench_sized's default 19.
 #
 # Uses the python3 on PATH with the package from src/ (no install). Every check has its own
 # time limit and writes its log to OUT_DIR; a failing check does not stop the next one.
@@ -77,8 +80,11 @@ wanted bench_tiny && step bench_tiny 150 "${bench[@]}" --steps 40 --out "$out/be
     hardware=h100
 # 60 steps: the first two windows pin their host buffers (seconds a step), and the median
 # counts every step, so a 30-step run at W = 4 was a third start-up.
+sized=(hardware=h100 model=gpt_moe model.n_layers=2 model.n_experts=16 model.max_seq_len=1024
+       data.seq_len=1024)
 wanted bench_sized && step bench_sized 420 "${bench[@]}" --steps 60 --out "$out/bench_sized" \
-    hardware=h100 model=gpt_moe model.n_layers=2 model.n_experts=16 model.max_seq_len=1024 \
-    data.seq_len=1024
+    "${sized[@]}"
+wanted helper_nice && step helper_nice 300 python3 recipes/bench.py --policies moevement \
+    --steps 60 --out "$out/helper_nice" "${sized[@]}" "moevement:checkpoint.helper_nice=0"
 
 exit $status
