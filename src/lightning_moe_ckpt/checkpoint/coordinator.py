@@ -323,7 +323,7 @@ class CheckpointCoordinator(StepHooks):
         self._slot_bytes_before = max(self._slot_bytes_before, old.slot_bytes_peak())
         self._replication_cpu_s_before += old.thread_cpu_s
         self.replicator = Replicator(*self._replication_args, old.replicas,
-                                     self.share_same_node, old.helper_nice)
+                                     self.share_same_node, self.helper_nice)
         self.replica_peers_mapping = sorted(self.replicator.mapping_peers)
         self.replicator.before_payload = old.before_payload
 

@@ -181,7 +181,6 @@ class Replicator:
         self._abandoned = False
         self._group_lock = threading.Lock()
         self._queue: queue.Queue[Snapshot | _Drain | None] = queue.Queue()
-        self.helper_nice = helper_nice  # the thread's, and a re-formed replicator's
         self._thread = HelperThread(self._run, "snapshot-replication", helper_nice)
         self._thread.start()
 
