@@ -4,6 +4,7 @@ checksums, buffer reuse, and the store's two-window bound."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -186,6 +187,53 @@ def test_an_interrupted_copy_stays_unchecksummed_once_the_failure_is_handled(
     assert cut.checksummed.wait(timeout=30)
     assert all(piece.checksum is None for piece in cut.pieces.values())
     assert first.pieces and all(piece.verify() for piece in first.pieces.values())
+    snapshots.close()
+
+
+@pytest.mark.timeout(60)  # broken, a wait would never return
+@pytest.mark.parametrize("checksum_thread", [True, False], ids=["own thread", "copy thread"])
+def test_hand_offs_run_once_checksummed_in_issue_order(
+        monkeypatch: pytest.MonkeyPatch, checksum_thread: bool) -> None:
+    """A consumer (replication, persistence) gets a snapshot only once each piece has its
+    checksum, on the thread that checksummed it and before the snapshot's event is set (so
+    waiting for the engine's checksums covers every hand-off), in the order the snapshots
+    were issued; one registered after the checksums runs at once, on the caller's thread."""
+    engine = _engine("32")
+    engine.train_iteration(*_batch(0))
+    snapshots = SnapshotEngine(engine.registry, engine.state, rank=0,
+                               device=torch.device("cpu"), checksum_thread=checksum_thread)
+    release = threading.Event()
+    copy = snapshots._copy
+
+    def held_copy(job: Any, checksum: bool) -> list[int] | None:
+        if job.snapshot.step == 0:
+            release.wait()
+        return copy(job, checksum)
+
+    monkeypatch.setattr(snapshots, "_copy", held_copy)
+    handed: list[tuple[int, bool, bool, str]] = []
+
+    def consume(snapshot: Snapshot) -> None:
+        handed.append((snapshot.step,
+                       all(piece.checksum is not None for piece in snapshot.pieces.values()),
+                       snapshot.checksummed.is_set(), threading.current_thread().name))
+
+    names = tuple(engine.registry.names)
+    issued = []
+    for step in range(3):
+        snapshot = snapshots.issue(round_robin(names, step, 3), {})  # type: ignore[arg-type]
+        snapshot.when_checksummed(consume)
+        issued.append(snapshot)
+    assert handed == []  # the first copy is held, the others wait behind it
+    release.set()
+    snapshots.wait_copies()
+    snapshots.wait_checksums()
+    assert [step for step, *_ in handed] == [0, 1, 2]
+    assert all(checksummed and not event_set for _, checksummed, event_set, _ in handed)
+    helper = "snapshot-checksum" if checksum_thread else "snapshot-copy"
+    assert {thread for *_, thread in handed} == {helper}
+    issued[0].when_checksummed(consume)
+    assert handed[3][0] == 0 and handed[3][3] == threading.current_thread().name
     snapshots.close()
 
 

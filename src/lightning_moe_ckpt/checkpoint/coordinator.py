@@ -276,9 +276,7 @@ class CheckpointCoordinator(StepHooks):
         """Recovery prologue: every copy issued before the failure finished and was
         checksummed, replication caught up, confirmed windows promoted."""
         self.snapshots.wait_copies()
-        for record in self.store.windows.values():
-            for snapshot in record.snapshots.values():
-                snapshot.checksummed.wait()
+        self.snapshots.wait_checksums()  # and handed to replication and persistence
         if self.replicator is not None:
             self.replicator.drain()
         self.drain_acks()
@@ -340,9 +338,7 @@ class CheckpointCoordinator(StepHooks):
     def flush(self) -> None:
         """Wait for outstanding copies and replication; promote what persisted."""
         self.snapshots.wait_copies()
-        for record in self.store.windows.values():
-            for snapshot in record.snapshots.values():
-                snapshot.checksummed.wait()
+        self.snapshots.wait_checksums()  # and handed to replication and persistence
         if self.replicator is not None:
             self.max_replication_lag = max(self.max_replication_lag, self.replicator.lag)
             self.replicator.close()

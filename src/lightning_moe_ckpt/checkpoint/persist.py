@@ -2,7 +2,7 @@
 
 CheckFreq snapshots the dense state in memory and then persists it to storage in the
 background. :class:`DiskPersister` does the second phase for the snapshot engine: a worker
-thread waits until a snapshot's copies are checksummed, writes it with ``torch.save`` (the
+thread gets a snapshot once its copies are checksummed, writes it with ``torch.save`` (the
 same encoding replication uses, checksums included) to a temporary file, renames it into
 place and acknowledges it, so the store treats the snapshot as persisted only once it is
 on disk. Only the two newest files are kept. The directory is the rank's own
@@ -40,21 +40,32 @@ class DiskPersister:
         self.keep = keep
         self.written: list[str] = []
         self._queue: queue.Queue[Snapshot | None] = queue.Queue()
+        self._newest_submitted: Snapshot | None = None
         self._thread = HelperThread(self._run, "snapshot-persist", helper_nice)
         self._thread.start()
 
     def submit(self, snapshot: Snapshot) -> None:
-        """Persist ``snapshot`` once its copies are checksummed."""
-        self._queue.put(snapshot)
+        """Persist ``snapshot`` once its copies are checksummed (it is queued then, by the
+        thread that checksums it: :meth:`~.pieces.Snapshot.when_checksummed`)."""
+        self._newest_submitted = snapshot
+        snapshot.when_checksummed(self._queue.put)
 
     def close(self) -> None:
         """Finish pending writes and stop the thread."""
+        self._all_queued()
         self._queue.put(None)
         self._thread.join()
 
     def drain(self) -> None:
         """Wait until every submitted snapshot is on disk (the thread keeps running)."""
+        self._all_queued()
         self._queue.join()
+
+    def _all_queued(self) -> None:
+        """Wait until every submitted snapshot is queued: each is once checksummed, in the
+        order submitted, so the newest one's checksums say so for all."""
+        if self._newest_submitted is not None:
+            self._newest_submitted.checksummed.wait()
 
     def path(self, step: int) -> Path:
         """Where SS_``step`` is written."""
@@ -71,7 +82,6 @@ class DiskPersister:
 
     def _run(self) -> None:
         while (snapshot := self._queue.get()) is not None:
-            snapshot.checksummed.wait()
             target = self.path(snapshot.step)
             partial = target.with_suffix(".partial")
             partial.write_bytes(encode_snapshot(snapshot).numpy().data)  # no extra copy

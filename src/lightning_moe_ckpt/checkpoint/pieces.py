@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
@@ -210,9 +210,15 @@ class Snapshot:
     pieces: dict[str, SnapshotPiece]
     metadata: dict[str, Any]
     copied: threading.Event = field(default_factory=threading.Event)
+    # Set by :meth:`set_checksummed` (its pieces have their checksums, or it was found
+    # unusable), once every hand-off registered by then ran.
     checksummed: threading.Event = field(default_factory=threading.Event)
     backing: SlotBacking | None = None  # the shared slot its pieces lie in, when placed
     _nbytes: int | None = field(default=None, repr=False)
+    # Consumers waiting for the checksums; None once they are there.
+    _hand_offs: list[Callable[[Snapshot], object]] | None = field(default_factory=list,
+                                                                  repr=False)
+    _hand_off_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -221,6 +227,29 @@ class Snapshot:
         if self._nbytes is None:
             self._nbytes = sum(piece.nbytes for piece in self.pieces.values())
         return self._nbytes
+
+    def when_checksummed(self, hand_off: Callable[[Snapshot], object]) -> None:
+        """Call ``hand_off(self)`` once its pieces are checksummed (or it was found
+        unusable): at once if they are, else on the thread that checksums them, before
+        :attr:`checksummed` is set. A consumer's thread (replication, persistence) is so
+        woken once, with a snapshot it can work on; woken at the issue, it would take the
+        interpreter lock from the training thread only to wait for the checksums. The
+        engine checksums snapshots in the order it issued them, so hand-offs registered
+        in that order run in it."""
+        with self._hand_off_lock:
+            if self._hand_offs is not None:
+                self._hand_offs.append(hand_off)
+                return
+        hand_off(self)
+
+    def set_checksummed(self) -> None:
+        """Its pieces are checksummed (or it was found unusable): run the hand-offs, then
+        set :attr:`checksummed`, so whoever waited for that knows they ran."""
+        with self._hand_off_lock:
+            hand_offs, self._hand_offs = self._hand_offs, None
+        for hand_off in hand_offs or ():
+            hand_off(self)
+        self.checksummed.set()
 
     def take_pieces(self) -> dict[str, SnapshotPiece]:
         """Hand the pieces over; the snapshot holds none from then on."""

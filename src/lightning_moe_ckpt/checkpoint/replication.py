@@ -181,6 +181,7 @@ class Replicator:
         self._abandoned = False
         self._group_lock = threading.Lock()
         self._queue: queue.Queue[Snapshot | _Drain | None] = queue.Queue()
+        self._newest_submitted: Snapshot | None = None
         self._thread = HelperThread(self._run, "snapshot-replication", helper_nice)
         self._thread.start()
 
@@ -190,10 +191,18 @@ class Replicator:
         return self.submitted - self.completed
 
     def submit(self, snapshot: Snapshot) -> None:
-        """Replicate ``snapshot`` once its copies are checksummed."""
+        """Replicate ``snapshot`` once its copies are checksummed (it is queued then, by
+        the thread that checksums it: :meth:`~.pieces.Snapshot.when_checksummed`)."""
         self.submitted += 1
         self._quiet = False
-        self._queue.put(snapshot)
+        self._newest_submitted = snapshot
+        snapshot.when_checksummed(self._queue.put)
+
+    def _all_queued(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted snapshot is queued: each is once checksummed, in the
+        order submitted, so the newest one's checksums say so for all."""
+        newest = self._newest_submitted
+        return newest is None or newest.checksummed.wait(timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Drain outstanding transfers and stop the thread; returns whether it stopped.
@@ -206,8 +215,11 @@ class Replicator:
         if self._abandoned:
             return False
         if self._thread.is_alive():
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            self._all_queued(timeout_s)
             self._queue.put(None)
-            self._thread.join(timeout_s)
+            self._thread.join(None if deadline is None
+                              else max(0.0, deadline - time.monotonic()))
         with self._group_lock:
             if self._thread.is_alive():
                 self._abandoned = True
@@ -220,6 +232,7 @@ class Replicator:
     def drain(self) -> None:
         """Wait until every submitted snapshot is replicated, and this rank filed as many
         snapshots of each source as it took (the thread keeps running)."""
+        self._all_queued()
         self._queue.put(_DRAIN)
         self._queue.join()
 
@@ -356,8 +369,8 @@ class Replicator:
             dist.destroy_process_group(group)
 
     def _replicate(self, snapshot: Snapshot) -> None:
-        """Send ``snapshot`` to the peers and receive the sources' of the same step."""
-        snapshot.checksummed.wait()
+        """Send ``snapshot`` (queued once checksummed) to the peers and receive the
+        sources' of the same step."""
         self._processed += 1
         self._quiet = False  # (submit() said so too, but a drain may have come between)
         data, handle, slot = self._encode(snapshot)

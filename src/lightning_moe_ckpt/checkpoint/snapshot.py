@@ -139,6 +139,7 @@ class SnapshotEngine:
         self.copy_delay_s = copy_delay_s  # tests slow the copy down to provoke races
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self.pending: list[Snapshot] = []
+        self._newest: Snapshot | None = None  # the last one issued
         self.interrupted_steps: set[int] = set()  # copies a simulated failure cuts short
         self.stall_s = 0.0
         self.bytes_issued = 0
@@ -276,6 +277,7 @@ class SnapshotEngine:
             ready = torch.cuda.Event()
             ready.record()  # the side stream's copies start after step t, and after these
         self.pending.append(snapshot)
+        self._newest = snapshot
         self._copies.put(_CopyJob(snapshot, copies, targets, host, ready))
         return snapshot
 
@@ -299,6 +301,13 @@ class SnapshotEngine:
         if self.failure is not None:
             raise RuntimeError(f"rank {self.rank}: taking snapshots failed") from self.failure
         return stall
+
+    def wait_checksums(self) -> None:
+        """Block until every issued snapshot is checksummed and handed off (see
+        :meth:`~.pieces.Snapshot.when_checksummed`): they are checksummed in the order they
+        were issued, so the newest one's event says so for all."""
+        if self._newest is not None:
+            self._newest.checksummed.wait()
 
     def close(self) -> None:
         """Finish outstanding work and stop the copy and checksum threads."""
@@ -333,7 +342,7 @@ class SnapshotEngine:
             if self._to_checksum is not None:
                 self._to_checksum.put((job.snapshot, usable))
             elif checksums is not None and usable:
-                job.snapshot.checksummed.set()
+                job.snapshot.set_checksummed()
             else:
                 self._checksum_copied(job.snapshot, usable)
         if self._to_checksum is not None:
@@ -394,7 +403,7 @@ class SnapshotEngine:
             except Exception as error:  # pieces left without checksums are refused
                 self.failure = self.failure or error
         self.checksum_cpu_s += time.thread_time() - started
-        snapshot.checksummed.set()
+        snapshot.set_checksummed()
 
     def _checksum(self, snapshot: Snapshot) -> None:
         """Checksum every piece of ``snapshot``."""

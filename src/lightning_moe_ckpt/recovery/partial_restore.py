@@ -99,9 +99,7 @@ def _drain(coordinator: CheckpointSide, forget: bool) -> None:
     """Step 1: everything taken before the failure is copied, checksummed, replicated."""
     store, replicas = _stores(coordinator)
     coordinator.snapshots.wait_copies()
-    for record in store.windows.values():
-        for snapshot in record.snapshots.values():
-            snapshot.checksummed.wait()
+    coordinator.snapshots.wait_checksums()
     if coordinator.replicator is not None:
         coordinator.replicator.drain()
     coordinator.drain_acks()
