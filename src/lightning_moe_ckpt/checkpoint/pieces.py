@@ -247,9 +247,11 @@ class Snapshot:
         set :attr:`checksummed`, so whoever waited for that knows they ran."""
         with self._hand_off_lock:
             hand_offs, self._hand_offs = self._hand_offs, None
-        for hand_off in hand_offs or ():
-            hand_off(self)
-        self.checksummed.set()
+        try:
+            for hand_off in hand_offs or ():
+                hand_off(self)
+        finally:  # a waiter must not hang on a consumer that failed
+            self.checksummed.set()
 
     def take_pieces(self) -> dict[str, SnapshotPiece]:
         """Hand the pieces over; the snapshot holds none from then on."""
