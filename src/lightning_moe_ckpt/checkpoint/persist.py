@@ -23,7 +23,7 @@ import torch
 
 from lightning_moe_ckpt.checkpoint.codec import encode_snapshot
 from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE, HelperThread
-from lightning_moe_ckpt.checkpoint.pieces import Snapshot
+from lightning_moe_ckpt.checkpoint.pieces import Snapshot, wait_checksummed
 
 
 class DiskPersister:
@@ -52,20 +52,14 @@ class DiskPersister:
 
     def close(self) -> None:
         """Finish pending writes and stop the thread."""
-        self._all_queued()
+        wait_checksummed(self._newest_submitted)  # every submitted one queued
         self._queue.put(None)
         self._thread.join()
 
     def drain(self) -> None:
         """Wait until every submitted snapshot is on disk (the thread keeps running)."""
-        self._all_queued()
+        wait_checksummed(self._newest_submitted)  # every submitted one queued
         self._queue.join()
-
-    def _all_queued(self) -> None:
-        """Wait until every submitted snapshot is queued: each is once checksummed, in the
-        order submitted, so the newest one's checksums say so for all."""
-        if self._newest_submitted is not None:
-            self._newest_submitted.checksummed.wait()
 
     def path(self, step: int) -> Path:
         """Where SS_``step`` is written."""

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from lightning_moe_ckpt.checkpoint.slot_placement import SlotBacking
 
 __all__ = ["HostBufferPool", "PieceBuffers", "PieceKind", "PieceLayout", "Snapshot",
-           "SnapshotPiece"]
+           "SnapshotPiece", "wait_checksummed"]
 
 PieceKind = Literal["master", "compute"]
 
@@ -257,6 +257,14 @@ class Snapshot:
         """Hand the pieces over; the snapshot holds none from then on."""
         pieces, self.pieces, self._nbytes = self.pieces, {}, 0
         return pieces
+
+
+def wait_checksummed(newest: Snapshot | None, timeout_s: float | None = None) -> bool:
+    """Wait until ``newest`` and every snapshot issued before it by the same engine are
+    checksummed and handed off (:meth:`Snapshot.when_checksummed`): the engine checksums
+    them in issue order, so the newest one's event says so for all. Returns whether they
+    are (False: ``timeout_s`` ran out)."""
+    return newest is None or newest.checksummed.wait(timeout_s)
 
 
 class HostBufferPool:

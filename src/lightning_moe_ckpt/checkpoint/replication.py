@@ -64,7 +64,7 @@ from lightning_moe_ckpt.checkpoint.codec import (
     encode_snapshot,
 )
 from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE, HelperThread
-from lightning_moe_ckpt.checkpoint.pieces import Snapshot
+from lightning_moe_ckpt.checkpoint.pieces import Snapshot, wait_checksummed
 from lightning_moe_ckpt.checkpoint.replica_store import ReplicaStore
 from lightning_moe_ckpt.checkpoint.shared_slots import (
     MappedSlots,
@@ -198,12 +198,6 @@ class Replicator:
         self._newest_submitted = snapshot
         snapshot.when_checksummed(self._queue.put)
 
-    def _all_queued(self, timeout_s: float | None = None) -> bool:
-        """Wait until every submitted snapshot is queued: each is once checksummed, in the
-        order submitted, so the newest one's checksums say so for all."""
-        newest = self._newest_submitted
-        return newest is None or newest.checksummed.wait(timeout_s)
-
     def close(self, timeout_s: float | None = None) -> bool:
         """Drain outstanding transfers and stop the thread; returns whether it stopped.
 
@@ -216,7 +210,7 @@ class Replicator:
             return False
         if self._thread.is_alive():
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            self._all_queued(timeout_s)
+            wait_checksummed(self._newest_submitted, timeout_s)  # all queued
             self._queue.put(None)
             self._thread.join(None if deadline is None
                               else max(0.0, deadline - time.monotonic()))
@@ -232,7 +226,7 @@ class Replicator:
     def drain(self) -> None:
         """Wait until every submitted snapshot is replicated, and this rank filed as many
         snapshots of each source as it took (the thread keeps running)."""
-        self._all_queued()
+        wait_checksummed(self._newest_submitted)  # every submitted one queued
         self._queue.put(_DRAIN)
         self._queue.join()
 

@@ -59,6 +59,7 @@ from lightning_moe_ckpt.checkpoint.pieces import (
     PieceLayout,
     Snapshot,
     SnapshotPiece,
+    wait_checksummed,
 )
 from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess, StateFingerprint
@@ -303,11 +304,8 @@ class SnapshotEngine:
         return stall
 
     def wait_checksums(self) -> None:
-        """Block until every issued snapshot is checksummed and handed off (see
-        :meth:`~.pieces.Snapshot.when_checksummed`): they are checksummed in the order they
-        were issued, so the newest one's event says so for all."""
-        if self._newest is not None:
-            self._newest.checksummed.wait()
+        """Block until every issued snapshot is checksummed and handed off."""
+        wait_checksummed(self._newest)
 
     def close(self) -> None:
         """Finish outstanding work and stop the copy and checksum threads."""
