@@ -356,8 +356,7 @@ def replica_peers_of(rank: int, ranks_per_node: int = 1) -> list[int]:
 
 
 def _corrupt_one_piece(replicas: Any, source: int, window_start: int) -> None:
-    import io
-
+    from lightning_moe_ckpt.checkpoint.codec import encode_payload
     from lightning_moe_ckpt.checkpoint.replication import decode_snapshot
 
     held = replicas.windows[source][window_start]
@@ -366,9 +365,7 @@ def _corrupt_one_piece(replicas: Any, source: int, window_start: int) -> None:
     piece = next(iter(payload["pieces"].values()))
     tensor = next(iter(piece["tensors"].values()))
     tensor.view(-1)[0] += 1  # the stored checksum no longer matches
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    held[step] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    held[step] = encode_payload(payload)  # re-framed: only the tensor checksum can tell
 
 
 def replication_check(settings: RunSettings, steps: int, window: int,

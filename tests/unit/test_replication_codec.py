@@ -51,26 +51,6 @@ def test_corrupted_piece_names_rank_operator_and_iteration() -> None:
         decode_snapshot(encode_snapshot(snapshot))
 
 
-def test_encodings_with_a_torch_save_header_are_still_read() -> None:
-    import io
-    import struct
-
-    from lightning_moe_ckpt.checkpoint import codec
-
-    snapshot = _snapshot()
-    raw = bytes(encode_snapshot(snapshot).numpy())
-    assert raw.startswith(codec.MAGIC)
-    (length,) = struct.unpack("<Q", raw[-8:])
-    header = codec.snapshot_header(encode_snapshot(snapshot))
-    old = io.BytesIO()
-    torch.save(header, old)
-    earlier = (codec._TORCH_HEADER_MAGIC + raw[len(codec.MAGIC):-8 - length] + old.getvalue()
-               + struct.pack("<Q", len(old.getvalue())))
-    decoded = decode_snapshot(torch.frombuffer(bytearray(earlier), dtype=torch.uint8))
-    for name, tensor in snapshot.pieces["layers.0.moe.experts.1"].tensors.items():
-        assert torch.equal(decoded["pieces"]["layers.0.moe.experts.1"]["tensors"][name], tensor)
-
-
 def test_metadata_tensors_and_rng_states_survive_the_header_bitwise() -> None:
     from lightning_moe_ckpt.checkpoint.rng import rng_state
 

@@ -1,23 +1,22 @@
 """Byte encoding of snapshots for replication and disk, piece by piece.
 
-An encoded snapshot is ``MAGIC``, then one blob per piece, then a header (pickled: step,
-rank, window, metadata and, per piece, its kind, checksum and byte range; a ``torch.save``
-of it behind the earlier magic, still read), then the header's length as 8 little-endian
-bytes. A piece's blob is its layout (tensor names, dtypes and shapes, pickled, behind its
-length) and then the tensors' raw bytes back to back in name order (:mod:`.piece_blob`):
-encoding is one copy of the bytes, where a ``torch.save`` per piece (still read, from
-older encodings: the header says which) cost a zip archive each and dominated the
-replication thread's time. Because the pieces are separate blobs and the header comes
-with byte ranges, a replica peer can list the operators a snapshot holds
-(:func:`snapshot_header`) and cut pieces out of it (:func:`extract_pieces`,
-:func:`split_pieces`) without deserialising any tensor: that is what lets the partial
-baselines keep each operator's newest save after its snapshot's window was dropped.
-Each piece carries two checksums: ``checksum``, over its tensors (computed where the copy
-was made, it travels with the piece through every encoding), and ``frame_checksum``, over
-its encoded bytes (so a flipped bit outside the tensor data, in a name, a shape or the
-container, is caught as well). :func:`decode_snapshot` verifies both and names rank,
-operator and iteration of a corrupt piece. Bytes without the magic prefix are read as the earlier
-single-``torch.save`` encoding.
+An encoded snapshot is ``MAGIC`` (which names the format's version), then one blob per
+piece, then a header (step, rank, window, metadata and, per piece, its kind, checksum and
+byte range, as :mod:`.wire` values), then the header's length as 8 little-endian bytes. A
+piece's blob is its layout (tensor names, dtypes and shapes, a :mod:`.wire` value behind
+its length) and then the tensors' raw bytes back to back in name order
+(:mod:`.piece_blob`): encoding is one copy of the bytes. Nothing is unpickled: bytes from
+another process are decoded by :mod:`.wire` alone, and bytes of any other format (another
+magic) are refused with :class:`SnapshotFormatError` before anything is read. Because the
+pieces are separate blobs and the header comes with byte ranges, a replica peer can list
+the operators a snapshot holds (:func:`snapshot_header`) and cut pieces out of it
+(:func:`extract_pieces`, :func:`split_pieces`) without deserialising any tensor: that is
+what lets the partial baselines keep each operator's newest save after its snapshot's
+window was dropped. Each piece carries two checksums: ``checksum``, over its tensors
+(computed where the copy was made, it travels with the piece through every encoding), and
+``frame_checksum``, over its encoded bytes (so a flipped bit outside the tensor data, in a
+name, a shape or the container, is caught as well). :func:`decode_snapshot` verifies both
+and names rank, operator and iteration of a corrupt piece.
 
 :func:`encode_snapshot_into` writes the same bytes into memory the caller provides (a
 shared-memory slot that same-node replica peers map, :mod:`.shared_slots`): the piece
@@ -30,7 +29,6 @@ the framing goes around them.
 from __future__ import annotations
 
 import io
-import pickle
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -49,19 +47,20 @@ from lightning_moe_ckpt.checkpoint.piece_blob import (
     read_piece,
 )
 from lightning_moe_ckpt.checkpoint.pieces import Snapshot
+from lightning_moe_ckpt.checkpoint.wire import WireFormatError, dumps, loads
 
-MAGIC = b"MOESNAP3"
-# The same framing with a ``torch.save`` header (a zip archive: 3x the time of a pickle for
-# the same header, on the replication thread for every snapshot); still read.
-_TORCH_HEADER_MAGIC = b"MOESNAP2"
+MAGIC = b"MOESNAP4"  # the format's version: any other is refused, never read
 _LENGTH = struct.Struct("<Q")
 HEADER_LENGTH_BYTES = _LENGTH.size  # the header's length, the encoding's last bytes
-RAW_PIECES = "raw"  # the header's ``piece_format``: layout + raw bytes (absent: torch.save)
 _HEADER_GUESS = 1 << 16  # room left for the header when encoding into given memory
 
 
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint piece is missing or fails its checksum."""
+
+
+class SnapshotFormatError(CorruptCheckpointError):
+    """Bytes that are not a snapshot of this version's format: refused unread."""
 
 
 def _snapshot_fields(snapshot: Snapshot) -> dict[str, Any]:
@@ -152,8 +151,7 @@ def _write_pieces(writer: io.BytesIO | _MemoryWriter, payload: dict[str, Any]) -
         index[name] = {"kind": piece["kind"], "checksum": piece["checksum"],
                        "frame_checksum": frame, "offset": offset,
                        "length": writer.tell() - offset}
-    return {**{k: v for k, v in payload.items() if k != "pieces"},
-            "piece_format": RAW_PIECES, "pieces": index}
+    return {**{k: v for k, v in payload.items() if k != "pieces"}, "pieces": index}
 
 
 def encode_around_pieces(snapshot: Snapshot, memory: torch.Tensor,
@@ -182,8 +180,7 @@ def encode_around_pieces(snapshot: Snapshot, memory: torch.Tensor,
                        "frame_checksum": frame_checksum(head, buffers.raw, piece.checksum,
                                                          buffers.names_crc),
                        "offset": offset, "length": len(head) + piece.nbytes}
-    encoded = _header_bytes({**_snapshot_fields(snapshot), "piece_format": RAW_PIECES,
-                             "pieces": index})
+    encoded = _header_bytes({**_snapshot_fields(snapshot), "pieces": index})
     length = end + len(encoded) + _LENGTH.size
     if length > memory.numel():
         return None
@@ -216,32 +213,8 @@ def _write_piece(writer: io.BytesIO | _MemoryWriter, head: bytes, piece: dict[st
     return frame_checksum(head, raw, piece["checksum"], piece.get("names_crc"))
 
 
-class _HeaderPickler(pickle.Pickler):
-    """Pickles the header's host tensors (RNG states, a clip coefficient) as their raw
-    bytes: torch's own reduction writes a ``torch.save`` archive per tensor, which costs
-    the replication thread about 0.1 ms for each, every snapshot."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.is_contiguous()
-                and obj.layout == torch.strided and not obj.requires_grad):
-            data = raw_bytes(obj).tobytes() if obj.numel() else b""
-            return _tensor_from_bytes, (data, str(obj.dtype).removeprefix("torch."),
-                                        tuple(obj.shape))
-        return NotImplemented
-
-
-def _tensor_from_bytes(data: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Inverse of :class:`_HeaderPickler`'s reduction of a tensor (own memory)."""
-    dtype = getattr(torch, dtype_name)
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
 def _header_bytes(header: dict[str, Any]) -> bytes:
-    buffer = io.BytesIO()
-    _HeaderPickler(buffer, protocol=5).dump(header)
-    return buffer.getvalue()
+    return dumps(header, "the snapshot header")
 
 
 def _finish(buffer: io.BytesIO, header: dict[str, Any]) -> torch.Tensor:
@@ -258,42 +231,50 @@ def _bytes(data: torch.Tensor) -> memoryview:
     return raw_bytes(data)
 
 
-def _is_framed(raw: bytes | memoryview) -> bool:
-    return bytes(raw[:len(MAGIC)]) in (MAGIC, _TORCH_HEADER_MAGIC)
+def _check_format(raw: memoryview) -> None:
+    """Refuse bytes of any other format before reading anything of them."""
+    magic = bytes(raw[:len(MAGIC)])
+    if magic != MAGIC:
+        raise SnapshotFormatError(
+            f"an encoded snapshot starts with {magic!r}, not this version's {MAGIC!r}: "
+            "snapshots of another format are refused, nothing of them is read")
 
 
 def _header(raw: memoryview) -> dict[str, Any]:
+    _check_format(raw)
+    if len(raw) < len(MAGIC) + _LENGTH.size:
+        raise SnapshotFormatError(f"an encoded snapshot of {len(raw)} bytes has no header")
     (length,) = _LENGTH.unpack(raw[-_LENGTH.size:])
     start = len(raw) - _LENGTH.size - length
-    encoded = raw[start:start + length]
-    header: dict[str, Any] = (pickle.loads(encoded) if bytes(raw[:len(MAGIC)]) == MAGIC
-                              else torch.load(io.BytesIO(encoded), weights_only=False))
+    if start < len(MAGIC):
+        raise SnapshotFormatError(f"an encoded snapshot of {len(raw)} bytes announces a "
+                                  f"header of {length} bytes")
+    try:
+        header = loads(raw[start:start + length])
+    except WireFormatError as error:
+        raise SnapshotFormatError(f"an encoded snapshot's header does not decode: {error}") \
+            from error
+    if not isinstance(header, dict) or not isinstance(header.get("pieces"), dict):
+        raise SnapshotFormatError("an encoded snapshot's header is not a snapshot header")
     return header
 
 
 def snapshot_header(data: torch.Tensor) -> dict[str, Any]:
     """Step, rank, window, metadata and per-piece ``kind``/``checksum`` of an encoded
     snapshot, without loading any piece's tensors."""
-    raw = _bytes(data)
-    return _header(raw) if _is_framed(raw) else _legacy(raw)
+    return _header(_bytes(data))
 
 
 def extract_pieces(data: torch.Tensor, names: Iterable[str]) -> torch.Tensor:
     """An encoded snapshot holding only the pieces ``names`` of ``data`` (no metadata),
     cut out byte for byte: checksums still cover exactly what they covered."""
     raw = _bytes(data)
-    if not _is_framed(raw):  # earlier encoding: re-encode the selected pieces
-        payload = _legacy(raw)
-        return encode_payload({**payload, "metadata": None,
-                               "pieces": {n: payload["pieces"][n] for n in names}})
     return _cut(raw, _header(raw), names)
 
 
 def split_pieces(data: torch.Tensor, names: Iterable[str]) -> dict[str, torch.Tensor]:
     """One single-piece encoded snapshot per name (the header is read once)."""
     raw = _bytes(data)
-    if not _is_framed(raw):
-        return {name: extract_pieces(data, [name]) for name in names}
     header = _header(raw)
     return {name: _cut(raw, header, [name]) for name in names}
 
@@ -313,13 +294,9 @@ def _cut(raw: memoryview, header: dict[str, Any], names: Iterable[str]) -> torch
 def decode_snapshot(data: torch.Tensor) -> dict[str, Any]:
     """Inverse of :func:`encode_snapshot`; raises if any piece fails its checksum."""
     raw = _bytes(data)
-    if _is_framed(raw):
-        payload = _header(raw)
-        raw_pieces = payload.pop("piece_format", None) == RAW_PIECES
-        payload["pieces"] = {name: _load_piece(raw, entry, payload, name, raw_pieces)
-                             for name, entry in payload["pieces"].items()}
-    else:
-        payload = _legacy(raw)
+    payload = _header(raw)
+    payload["pieces"] = {name: _load_piece(raw, entry, payload, name)
+                         for name, entry in payload["pieces"].items()}
     for name, piece in payload["pieces"].items():
         if piece["checksum"] is None or tensor_checksum(piece["tensors"]) != piece["checksum"]:
             raise _corrupt(payload, name)
@@ -327,15 +304,13 @@ def decode_snapshot(data: torch.Tensor) -> dict[str, Any]:
 
 
 def _load_piece(raw: memoryview, entry: dict[str, Any], payload: dict[str, Any],
-                name: str, raw_piece: bool) -> dict[str, Any]:
+                name: str) -> dict[str, Any]:
     blob = raw[entry["offset"]:entry["offset"] + entry["length"]]
-    # Encodings from before the frame checksum have none: their tensor checksum remains.
-    if "frame_checksum" in entry and bytes_checksum(blob) != entry["frame_checksum"]:
+    if bytes_checksum(blob) != entry["frame_checksum"]:
         raise _corrupt(payload, name)
     try:
-        tensors = (read_piece(blob) if raw_piece
-                   else torch.load(io.BytesIO(blob), weights_only=False))
-    except Exception as error:  # damaged bytes fail in any of unpickling's many ways
+        tensors = read_piece(blob)
+    except WireFormatError as error:  # checksummed, yet not a layout: refuse, never guess
         raise _corrupt(payload, name) from error
     return {"kind": entry["kind"], "checksum": entry["checksum"], "tensors": tensors}
 
@@ -344,8 +319,3 @@ def _corrupt(payload: dict[str, Any], name: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"checkpoint piece of rank {payload['rank']}, operator {name!r}, iteration "
         f"{payload['step']} fails its checksum")
-
-
-def _legacy(raw: memoryview) -> dict[str, Any]:
-    payload: dict[str, Any] = torch.load(io.BytesIO(raw), weights_only=False)
-    return payload

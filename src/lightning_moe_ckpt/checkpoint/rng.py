@@ -4,10 +4,10 @@ A user's step may draw from torch's generator (CPU, and CUDA where present), Pyt
 ``random`` and NumPy's global generator, the three ``seed_everything`` seeds (a random
 crop, a dropout mask), so :func:`rng_state` takes all of them. It runs on the training
 thread after every optimizer step that takes a snapshot, and the replication thread
-pickles its result into the snapshot's header, so both costs recur every iteration.
+encodes its result into the snapshot's header, so both costs recur every iteration.
 
 * The word arrays are kept as raw bytes (torch's CPU state, Python's 625 Mersenne Twister
-  words, NumPy's 624-word key; native byte order): pickled as one byte string each instead
+  words, NumPy's 624-word key; native byte order): encoded as one byte string each instead
   of 625 Python ints or a tensor, and still loaded by ``torch.load(weights_only=True)``.
 * NumPy's legacy global generator copies its key word by word when asked for its state
   (``np.random.get_state``: 33 us on this project's CPU machine, about 0.1 ms per

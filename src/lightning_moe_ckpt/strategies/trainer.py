@@ -153,8 +153,8 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism):
             raise FileNotFoundError(f"ckpt_path={str(checkpoint_path)!r} has no file for rank "
                                     f"{self.global_rank} ({path.name}); it must come from a "
                                     "run with the same parallel layout")
-        checkpoint: dict[str, Any] = self.checkpoint_io.load_checkpoint(path,
-                                                                        weights_only=False)
+        checkpoint: dict[str, Any] = self.checkpoint_io.load_checkpoint(
+            path, weights_only=weights_only)
         layout = checkpoint.get("moe_parallel_layout", {})
         expected = {"pp": self.core.pp, "dp": self.core.dp, "ep": self.core.ep,
                     "world_size": self.world_size}
