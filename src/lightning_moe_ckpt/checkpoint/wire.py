@@ -83,7 +83,19 @@ def _dump(value: Any, out: list[bytes]) -> None:
     elif isinstance(value, torch.Tensor) and _encodable_tensor(value):
         _dump_tensor(value, out)
     else:
-        raise _Unencodable
+        _dump(_plain(value), out)
+
+
+def _plain(value: Any) -> Any:
+    """The plain value a subclass or a NumPy scalar stands for (an ``OrderedDict``, a
+    ``torch.Size``, an ``IntEnum``, ``np.float64``): decoded as that plain type."""
+    plain: type[Any]
+    for plain in (bool, int, float, str, bytes, dict, list, tuple):
+        if isinstance(value, plain):
+            return plain(value)
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()  # a NumPy scalar: its Python value
+    raise _Unencodable
 
 
 def _encodable_tensor(tensor: torch.Tensor) -> bool:
