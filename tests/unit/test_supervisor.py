@@ -255,14 +255,14 @@ def test_a_worker_whose_training_finished_is_not_taken_for_hung(worker_script: P
 
 
 def test_a_worker_failing_after_its_training_ended_fails_the_job_unreplaced(
-        worker_script: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        worker_script: Path, caplog: pytest.LogCaptureFixture) -> None:
     """No generation can form once ranks finished: the failure is reported, not
     replaced (a replacement would wait for peers that are gone)."""
     supervisor = _supervisor(worker_script, "abort_after_training")
     assert supervisor.run() == 1
     assert supervisor.replacements == []
     assert len(supervisor.pids[1]) == 1  # no process was started for rank 1
-    err = capsys.readouterr().err
+    err = caplog.text  # logged by the library's logger
     assert f"rank 1 (pid {supervisor.pids[1][0]}) failed after its training loop ended: " \
         f"exit {-signal.SIGABRT}; not replaced" in err
     assert "destroy_process_group()" in err

@@ -33,9 +33,9 @@ Recovery sees the coordinator through its public surface: :meth:`drain`,
 
 from __future__ import annotations
 
+import logging
 import queue
 import statistics
-import sys
 import time
 import warnings
 from array import array
@@ -60,6 +60,8 @@ from lightning_moe_ckpt.targets.base import StepHooks, StepResult, TrainingTarge
 
 if TYPE_CHECKING:
     from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan, Planner
+
+log = logging.getLogger("lightning_moe_ckpt")
 
 
 def require_paired_blocks(blocks: object) -> None:
@@ -307,8 +309,8 @@ class CheckpointCoordinator(StepHooks):
         """A peer failed: stop replicating and drop the broken replication group before
         new groups are formed (the replicas this rank holds stay for the recovery)."""
         if self.replicator is not None and not self.replicator.close(timeout_s=10.0):
-            print(f"rank {self.rank}: the snapshot replication thread did not stop within "
-                  "10 s; going on without it", file=sys.stderr, flush=True)
+            log.warning("rank %d: the snapshot replication thread did not stop within 10 s; "
+                        "going on without it", self.rank)
 
     def reform_replication(self) -> None:
         """The process groups were formed anew: replicate over a new group, keeping the

@@ -23,8 +23,8 @@ joins the recovery as the failed rank: its window comes from its replica peers.
 from __future__ import annotations
 
 import gc
+import logging
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -45,6 +45,8 @@ from lightning_moe_ckpt.recovery.entry import (
 from lightning_moe_ckpt.recovery.rendezvous import JobStore
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 from lightning_moe_ckpt.targets.base import StepHooks, TrainingTarget
+
+log = logging.getLogger("lightning_moe_ckpt")
 
 # Rebuild the mesh, the executor's and the replication groups over the live state, in the
 # order a joining process builds them (collective).
@@ -117,9 +119,9 @@ class PeerFailureHandler(StepHooks):
                   else {"detect": detected - self.iteration_started})
         with self.job.busy():
             role = "replacement" if replacing else "survivor"
-            print(f"rank {self.job.rank} ({role}, pid {os.getpid()}): recovering from "
-                  f"generation {self.job.generation} at step {self.target.step}",
-                  file=sys.stderr, flush=True)
+            log.warning("rank %d (%s, pid %d): recovering from generation %d at step %d",
+                        self.job.rank, role, os.getpid(), self.job.generation,
+                        self.target.step)
             self.coordinator.snapshots.wait_copies()  # issued copies finish (survivor)
             self.target.optimizer.zero_grad()  # the aborted iteration's partial gradients
             attempt = _Attempt(None if replacing else self.target.step, set(),
@@ -134,8 +136,8 @@ class PeerFailureHandler(StepHooks):
                     # Another peer failed during this recovery (its collectives broke, or
                     # the rendezvous waited in vain): go again in the generation the
                     # supervisor opens for it, with everything failed so far.
-                    print(f"rank {self.job.rank}: recovery interrupted ({error}); waiting "
-                          "for the next generation", file=sys.stderr, flush=True)
+                    log.warning("rank %d: recovery interrupted (%s); waiting for the next "
+                                "generation", self.job.rank, error)
                     if not self.job.await_new_generation():
                         raise
                     attempt.formed = False

@@ -11,6 +11,7 @@ recovery may legitimately wait for a replacement to start).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -38,6 +39,8 @@ from lightning_moe_ckpt.recovery.supervisor import (
     finished_key,
     heartbeat_key,
 )
+
+log = logging.getLogger("lightning_moe_ckpt")
 
 _BUSY_BEAT_S = 0.5
 _WATCH_S = 0.1  # how often the heartbeat thread publishes progress and reads the generation
@@ -190,8 +193,9 @@ class JobStore:
             # The store lives in the supervisor: it is gone, so no failure could be
             # recovered and nobody would collect this worker's results. An orphan
             # training on for hours helps no one.
-            print(f"rank {self.rank} (pid {os.getpid()}): lost the supervisor's store "
-                  f"({error}); this worker stops", file=sys.stderr, flush=True)
+            log.error("rank %d (pid %d): lost the supervisor's store (%s); this worker "
+                      "stops", self.rank, os.getpid(), error)
+            logging.shutdown()  # flush before the hard exit
             os._exit(EXIT_SUPERVISOR_LOST)
 
     def training_finished(self) -> None:

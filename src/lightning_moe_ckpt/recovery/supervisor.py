@@ -34,10 +34,10 @@ store (the supervisor was killed) stops itself (exit code ``EXIT_SUPERVISOR_LOST
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -49,6 +49,8 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from lightning_moe_ckpt.recovery.forked_workers import WorkerForker, WorkerProcess
+
+log = logging.getLogger("lightning_moe_ckpt")
 
 ENV_GENERATION = "MOE_GENERATION"  # the generation a worker was started in
 ENV_REPLACES = "MOE_REPLACES"  # set in a replacement: the generation it joins
@@ -184,9 +186,9 @@ class Supervisor:
                         # replaced (see _after_training).
                         done.add(rank)
                         after_training[rank] = f"exit {code}"
-                        print(f"supervisor: rank {rank} (pid {process.pid}) failed after "
-                              f"its training loop ended: exit {code}; not replaced",
-                              file=sys.stderr, flush=True)
+                        log.warning("supervisor: rank %d (pid %d) failed after its training "
+                                    "loop ended: exit %s; not replaced", rank, process.pid,
+                                    code)
                     elif code is not None:
                         failed[rank] = f"exit {code}"
                     elif self._hung(store, rank, process.pid, beats):
@@ -199,20 +201,20 @@ class Supervisor:
                                   if why == f"exit {EXIT_UNRECOVERABLE}")
                 if hopeless:
                     self._stop(_every_process(workers, idle))
-                    print(f"supervisor: rank(s) {hopeless} found nothing to recover from "
-                          "(their error is above); the job stops", file=sys.stderr, flush=True)
+                    log.error("supervisor: rank(s) %s found nothing to recover from (their "
+                              "error is above); the job stops", hopeless)
                     return 1
                 if len(self.replacements) + len(failed) > self.max_restarts:
                     self._stop(_every_process(workers, idle))
                     ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
-                    print(f"supervisor: {ranks} failed after {len(self.replacements)} "
-                          f"replacements (recovery.max_restarts={self.max_restarts}); "
-                          "the job stops", file=sys.stderr, flush=True)
+                    log.error("supervisor: %s failed after %d replacements "
+                              "(recovery.max_restarts=%d); the job stops", ranks,
+                              len(self.replacements), self.max_restarts)
                     return 1
                 generation += 1
                 for rank, cause in sorted(failed.items()):
-                    print(f"supervisor: rank {rank} (pid {workers[rank].pid}) failed: {cause}; "
-                          f"opening generation {generation}", file=sys.stderr, flush=True)
+                    log.warning("supervisor: rank %d (pid %d) failed: %s; opening generation "
+                                "%d", rank, workers[rank].pid, cause, generation)
                 store.set(f"failed/{generation}", json.dumps(sorted(failed)))
                 store.set("generation", str(generation))
                 idle = [(index, process) for index, process in idle if process.poll() is None]
@@ -256,10 +258,10 @@ class Supervisor:
         if not failed:
             return 0
         ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
-        print(f"supervisor: {ranks} failed after training ended, so the results they "
-              "write may be missing; a worker that leaves with process groups alive can "
-              "abort at interpreter exit: end the training script with "
-              "torch.distributed.destroy_process_group()", file=sys.stderr, flush=True)
+        log.error("supervisor: %s failed after training ended, so the results they write "
+                  "may be missing; a worker that leaves with process groups alive can abort "
+                  "at interpreter exit: end the training script with "
+                  "torch.distributed.destroy_process_group()", ranks)
         return 1
 
     def _start(self, base: dict[str, str], rank: int, generation: int,
