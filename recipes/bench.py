@@ -475,12 +475,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--steps", type=int, default=None, help="steps of every run")
     parser.add_argument("--policies", nargs="*", default=None, choices=POLICIES,
                         help="fault-free overhead runs besides none (default: all; --quick: "
-                             "none)")
+                             "none alone)")
     parser.add_argument("--ettr-policies", nargs="*", default=list(ETTR_POLICIES),
-                        choices=POLICIES[1:], help="runs with failures (none: skip)")
-    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,
+                        choices=POLICIES, help="runs with failures (default: all; "
+                                               "'none': skip)")
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=("none", *PEERS),
                         help="user checkpointing to compare with, <lightning|dcp>-<cap|oracle> "
-                             "(default: all; none: skip)")
+                             "(default: all; 'none': skip)")
     parser.add_argument("--memory-steps", type=int, default=0,
                         help="also train moevement fault-free this long (e.g. 2000) and report "
                              "host memory over the run: RSS and checkpointing's own bytes "
@@ -509,6 +510,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                              "(default: torch's; --quick: 1, robust on shared cores)")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench")
     args = parser.parse_args([token for token in tokens if not is_override(token)])
+    for option in ("policies", "ettr_policies", "peers"):  # a bare list flag is refused
+        flag = "--" + option.replace("_", "-")
+        values = getattr(args, option)
+        if values == []:
+            raise ConfigError(f"{flag} was given without values: name them, or write "
+                              f"'{flag} none' for none (leave {flag} out for its default)")
+        if option != "policies" and values is not None and "none" in values:
+            if values != ["none"]:
+                raise ConfigError(f"{flag}={' '.join(values)}: 'none' goes alone")
+            setattr(args, option, [])
     args.steps = (24 if args.quick else 200) if args.steps is None else args.steps
     if args.mtbf_steps is None:
         args.mtbf_steps = 3.0 if args.quick else 10.0

@@ -75,7 +75,7 @@ EOF
 wanted copy_queue && step copy_queue 120 python3 recipes/copy_queue_probe.py
 wanted copy_queue && step copy_queue_pinned 120 python3 recipes/copy_queue_probe.py --read pinned
 
-bench=(python3 recipes/bench.py --ettr-policies --peers --policies moevement gemini)
+bench=(python3 recipes/bench.py --ettr-policies none --peers none --policies moevement gemini)
 wanted bench_tiny && step bench_tiny 150 "${bench[@]}" --steps 40 --out "$out/bench_tiny" \
     hardware=h100
 # 60 steps: the first two windows pin their host buffers (seconds a step), and the median
@@ -84,7 +84,7 @@ sized=(hardware=h100 model=gpt_moe model.n_layers=2 model.n_experts=16 model.max
        data.seq_len=1024)
 wanted bench_sized && step bench_sized 420 "${bench[@]}" --steps 60 --out "$out/bench_sized" \
     "${sized[@]}"
-wanted helper_nice && step helper_nice 300 python3 recipes/bench.py --policies moevement \
+wanted helper_nice && step helper_nice 300 python3 recipes/bench.py --policies moevement --ettr-policies none --peers none \
     --steps 60 --out "$out/helper_nice" "${sized[@]}" "moevement:checkpoint.helper_nice=0"
 
 exit $status

@@ -157,11 +157,11 @@ def test_bench_refuses_bad_options_naming_them(tmp_path: Path,
 
 
 def test_overrides_may_follow_an_option_taking_several_values() -> None:
-    """The README's pp2 x ep2 command puts the layout after ``--peers`` (empty: no
-    peers); the overrides reach the runs and ``--peers`` keeps its own values."""
+    """The pp2 x ep2 command puts the layout after ``--peers none`` (no peers); the
+    overrides reach the runs and ``--peers`` keeps its own values."""
     bench = _bench_module()
     args, overrides = bench.parse_args(
-        ["--threads", "1", "--peers", "parallel.pp=2", "gemini:checkpoint.interval=5",
+        ["--threads", "1", "--peers", "none", "parallel.pp=2", "gemini:checkpoint.interval=5",
          "--kind", "simulated", "kill", "~trainer.val_every", "--policies", "moevement"])
     assert args.peers == [] and args.kind == ["simulated", "kill"]
     assert args.policies == ["moevement"] and args.threads == 1
@@ -169,6 +169,19 @@ def test_overrides_may_follow_an_option_taking_several_values() -> None:
                          "~trainer.val_every"]
     with pytest.raises(SystemExit):  # an unknown option is an error, not an override
         bench.parse_args(["--no-such-option"])
+
+
+def test_a_bare_list_flag_is_refused_not_taken_for_an_empty_list() -> None:
+    bench = _bench_module()
+    for flag in ("--peers", "--ettr-policies", "--policies"):
+        with pytest.raises(ConfigError, match=f"{flag} was given without values"):
+            bench.parse_args([flag, "parallel.pp=2"])
+    args, _ = bench.parse_args(["--ettr-policies", "none", "--peers", "none"])
+    assert args.ettr_policies == [] and args.peers == []
+    args, _ = bench.parse_args([])
+    assert args.peers == list(bench.PEERS) and args.ettr_policies == list(bench.ETTR_POLICIES)
+    with pytest.raises(ConfigError, match="'none' goes alone"):
+        bench.parse_args(["--peers", "none", "dcp-cap"])
 
 
 def test_overhead_pairs_each_run_with_the_none_run_of_its_repeat() -> None:
