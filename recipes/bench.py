@@ -13,7 +13,7 @@
    predicts for it, and the gap (definitions: :mod:`lightning_moe_ckpt.sim.measured`).
    The simulator is calibrated with this job's profile: per-stage forward/backward and
    optimizer times and the host-copy bandwidth, measured in this process
-   (:mod:`lightning_moe_ckpt.training.stage_profile`), and the ``none`` run's useful time
+   (:mod:`moe_recipes.stage_profile`), and the ``none`` run's useful time
    per step. The profile is written as ``profile.json`` in the format ``sim.profile``
    reads, and the ``recipes/simulate.py`` command that uses it is printed.
 
@@ -21,7 +21,7 @@
 ``AsyncCheckpointIO``) and ``dcp`` (``torch.distributed.checkpoint.async_save``), each every
 ``k`` steps with ``k`` chosen both ways users choose it: ``-cap``, the smallest ``k`` keeping
 the measured save cost within 3% of training time, and ``-oracle``, the best-ETTR ``k`` at
-``--mtbf-steps`` (:mod:`lightning_moe_ckpt.training.peers`); they recover by restarting from
+``--mtbf-steps`` (:mod:`moe_recipes.comparisons`); they recover by restarting from
 the newest complete checkpoint and recomputing. They appear in both tables (fault-free runs
 except with ``--quick``).
 
@@ -60,19 +60,19 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from lightning_moe_ckpt.benchmark import (
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.failures.forked_workers import WorkerForker
+from lightning_moe_ckpt.sim.measured import loop_seconds, useful_seconds
+from lightning_moe_ckpt.testing.faults import MtbfSchedule, schedule_from_config
+from moe_recipes.benchmark import (
     ettr_markdown,
     ettr_row,
     measure_profile,
     simulate_command,
 )
-from lightning_moe_ckpt.benchmark_statistics import median_interval, paired_block_ratios
-from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.recovery.faults import MtbfSchedule, schedule_from_config
-from lightning_moe_ckpt.recovery.forked_workers import WorkerForker
-from lightning_moe_ckpt.sim.measured import loop_seconds, useful_seconds
-from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
-from lightning_moe_ckpt.training.supervised import RECIPE_IMPORTS
+from moe_recipes.settings import RunSettings, settings_from_config
+from moe_recipes.statistics import median_interval, paired_block_ratios
+from moe_recipes.supervised import RECIPE_IMPORTS
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("none", "moevement", "gemini", "checkfreq", "moc", "moetion")

@@ -9,7 +9,7 @@ models do), or a non-blocking copy into a pinned buffer and a wait on its event
 snapshot's copy.
 Meanwhile another thread copies ``--gib`` GiB in ``--tensors`` tensors to pinned host
 memory on a side stream, either issued at once or in the snapshot engine's batches
-(:class:`~lightning_moe_ckpt.checkpoint.copy_batches.CopyBatches`, a ring of events
+(:class:`~lightning_moe_ckpt.snapshots.copy_batches.CopyBatches`, a ring of events
 bounding how many are queued). It prints how much longer the "iteration" took than
 without a copy, the longest single read, and the copy's achieved GB/s, beside the
 iteration and alone.
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from lightning_moe_ckpt.checkpoint.copy_batches import CopyBatches
+from lightning_moe_ckpt.snapshots.copy_batches import CopyBatches
 
 
 def iteration(weights: torch.Tensor, counts: torch.Tensor, pinned: torch.Tensor | None = None,

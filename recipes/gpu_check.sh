@@ -54,7 +54,7 @@ wanted tests && step cuda_tests 300 python3 -m pytest -q -p no:cacheprovider -m 
 
 wanted bandwidth && step copy_bandwidth 60 python3 - <<'EOF'
 import torch
-from lightning_moe_ckpt.checkpoint.profiler import measure_bandwidth
+from lightning_moe_ckpt.planning.profiler import measure_bandwidth
 
 nbytes = 2**30
 pinned = measure_bandwidth(nbytes, "cuda", repeats=5)

@@ -19,12 +19,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_moe_ckpt.errors import fmt, require
-from lightning_moe_ckpt.sim import format_table, simulate, write_outputs
-from lightning_moe_ckpt.sim.paper_report import (
+from moe_recipes.sim.experiments import simulate
+from moe_recipes.sim.paper_report import (
     compare_with_paper,
     format_comparison,
     write_comparison,
 )
+from moe_recipes.sim.report import format_table, write_outputs
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 

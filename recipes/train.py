@@ -21,7 +21,7 @@ import json
 import hydra
 from omegaconf import DictConfig
 
-from lightning_moe_ckpt.runner import run_training
+from moe_recipes.runner import run_training
 
 gc.freeze()
 gc.enable()

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_moe_ckpt.recovery.forked_workers import enter_process, run_as_main
+from lightning_moe_ckpt.failures.forked_workers import enter_process, run_as_main
 
 PRELOAD = "tests.distributed.preload"
 RUN_TIMEOUT_S = 480.0  # pytest-timeout is 600 s (pyproject.toml)

@@ -11,13 +11,13 @@ to the worker count) runs as an externally launched job. Unlike ``torchrun`` it 
 job's store itself and replaces a worker that exits, is killed or hangs (silent for
 ``--timeout-s``), while every other worker keeps running: ``SparseCheckpointing`` in the
 script recovers the replaced rank's state from its peers (see
-:mod:`~lightning_moe_ckpt.recovery.supervisor` and
-:mod:`~lightning_moe_ckpt.strategies.real_failures`).
+:mod:`~lightning_moe_ckpt.failures.supervisor` and
+:mod:`~lightning_moe_ckpt.failures.join`).
 ``--timeout-s`` must equal the strategy's ``recovery_timeout_s`` (both default to 60);
 ``--status`` names a JSON file with the store address and every worker's pid, rewritten
 whenever a process changes. ``--fork-workers`` forks the workers, replacements and spares
 from a fork server that imported torch and Lightning once, and the modules named with
-``--preload MODULE`` (:mod:`~lightning_moe_ckpt.recovery.forked_workers`). The exit code
+``--preload MODULE`` (:mod:`~lightning_moe_ckpt.failures.forked_workers`). The exit code
 is 0 once every worker finished its training and exited cleanly. End the script with
 ``torch.distributed.destroy_process_group()``: a worker that leaves with process groups
 alive can abort at interpreter exit, and a worker failing after its training ended is
@@ -32,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_moe_ckpt.recovery.supervisor import Supervisor, report_of
+from lightning_moe_ckpt.failures.supervisor import Supervisor, report_of
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -19,8 +19,8 @@ gc.disable()
 import lightning as L
 import torch
 
-from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
-from lightning_moe_ckpt.recovery import AtSchedule
+from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.testing import AtSchedule, FailureInjector
 from tests.anymodel.harness import STEPS, WINDOW, StepLosses, optimizer_state
 from tests.anymodel.models import LMModule, qwen3_moe, random_token_loader
 

@@ -17,9 +17,9 @@ import lightning as L
 import torch
 from torch import nn
 
-from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
-from lightning_moe_ckpt.recovery import AtSchedule
-from lightning_moe_ckpt.targets.base import TrainingTarget
+from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.core.target import TrainingTarget
+from lightning_moe_ckpt.testing import AtSchedule, FailureInjector
 from tests.anymodel.models import LMModule, random_token_loader
 
 STEPS = 10

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
-from lightning_moe_ckpt.operators import expert_position
+from lightning_moe_ckpt.core.operators import expert_position
 from lightning_moe_ckpt.recovery.durable import RNG_KEY
 from tests.anymodel.harness import FAIL_AT, WINDOW, Run, assert_bitwise, fit
 from tests.anymodel.models import (

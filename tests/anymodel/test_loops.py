@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
+from lightning_moe_ckpt.callbacks import SparseCheckpointing
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.recovery import AtSchedule
+from lightning_moe_ckpt.testing import AtSchedule, FailureInjector
 from tests.anymodel.harness import FAIL_AT, STEPS, WINDOW, optimizer_state
 from tests.anymodel.models import lm_loss, qwen3_moe, random_token_loader, train_step
 from tests.forked import run_python

@@ -10,10 +10,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
-from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
-from lightning_moe_ckpt.recovery.faults import AtSchedule
-from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
+from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.testing import FailureInjector
+from lightning_moe_ckpt.testing.faults import AtSchedule
+from lightning_moe_ckpt.training.consolidate import gather_consolidated_state
+from moe_recipes.settings import RunSettings, settings_from_config
 from tests.distributed.workloads import _rank_engine
 
 Scenario = tuple[str, str, dict[str, Any]]  # (label, policy, checkpoint options)

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
-from lightning_moe_ckpt.recovery import AtSchedule
+from lightning_moe_ckpt.callbacks import SparseCheckpointing
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy
+from lightning_moe_ckpt.testing import AtSchedule, FailureInjector
 from tests.anymodel.models import qwen3_moe
 from tests.distributed.staged_workloads import full_state
 

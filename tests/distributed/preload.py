@@ -20,7 +20,7 @@ import torch
 import torch.distributed
 import transformers
 
-import lightning_moe_ckpt.runner
+import moe_recipes.runner
 import tests.anymodel.models
 import tests.distributed.baseline_workloads
 import tests.distributed.recovery_workloads

@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
-from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
-from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
-from lightning_moe_ckpt.parallel.engine import build_parallel_engine
-from lightning_moe_ckpt.parallel.topology import Coordinates
-from lightning_moe_ckpt.recovery.faults import AtSchedule
+from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
+from lightning_moe_ckpt.core.layout import Coordinates
+from lightning_moe_ckpt.testing import FailureInjector
+from lightning_moe_ckpt.testing.faults import AtSchedule
+from lightning_moe_ckpt.training.consolidate import gather_consolidated_state
 from lightning_moe_ckpt.training.data import build_data
-from lightning_moe_ckpt.training.settings import RunSettings
+from lightning_moe_ckpt.training.distributed_executor import build_parallel_engine
+from moe_recipes.settings import RunSettings
 from tests.distributed.workloads import distributed_run
 
 
@@ -145,8 +146,8 @@ def ahead_run(settings: RunSettings, window: int, step: int, failed: tuple[int, 
     not persisted yet (:func:`_lag_persisted_window`). Returns rank 0's consolidated
     state and losses, and every rank's rolled-back ranks, paused calls and the window
     it recovered from."""
-    from lightning_moe_ckpt.recovery.entry import RecoveryRequest, recover
-    from lightning_moe_ckpt.recovery.faults import destroy_rank_state
+    from lightning_moe_ckpt.recovery.api import RecoveryRequest, recover
+    from lightning_moe_ckpt.testing.faults import destroy_rank_state
 
     plan = settings.layout
     mesh = init_device_mesh("cpu", (plan.pp, plan.dp, plan.ep), mesh_dim_names=("pp", "dp", "ep"))

@@ -19,18 +19,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_moe_ckpt.operators import OperatorRegistry
-from lightning_moe_ckpt.parallel.engine import ProcessGroups
+from lightning_moe_ckpt.core.layout import Coordinates, ParallelPlan
+from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.parallel.fused_experts import ExpertShard, shard_fused_experts
 from lightning_moe_ckpt.parallel.model_plans import (
     ParallelizeFn,
     StagedModel,
     mesh_position,
-    resolve_plan,
     stage_layer_ids,
 )
-from lightning_moe_ckpt.parallel.staged_executor import StagedExecutor
-from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
+from lightning_moe_ckpt.parallel.plan_selection import resolve_plan
+from lightning_moe_ckpt.training.distributed_executor import ProcessGroups
+from lightning_moe_ckpt.training.staged_executor import StagedExecutor
 
 MICROBATCHES, MICRO_BATCH, SEQ = 2, 2, 16
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_moe_ckpt.checkpoint.replication import (
+from lightning_moe_ckpt.replication.replicator import (
     CorruptCheckpointError,
     replica_peers,
     verify_window,

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from lightning_moe_ckpt.parallel.pipeline import PipelineRunner
 from lightning_moe_ckpt.recovery import UpstreamLog
-from lightning_moe_ckpt.training.core import language_model_loss
-from lightning_moe_ckpt.training.settings import RunSettings
+from lightning_moe_ckpt.training.iteration import language_model_loss
+from moe_recipes.settings import RunSettings
 from tests.distributed.harness import run_distributed
 from tests.distributed.workloads import _rank_engine, make_settings
 

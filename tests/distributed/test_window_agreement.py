@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from lightning_moe_ckpt.checkpoint.agreement import LargestAcrossRanks
-from lightning_moe_ckpt.checkpoint.planners import MoEvementPlanner
-from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec
+from lightning_moe_ckpt.planning.agreement import LargestAcrossRanks
+from lightning_moe_ckpt.planning.schedule import OperatorSpec
+from lightning_moe_ckpt.policies.moevement import MoEvementPlanner
 from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_moe_ckpt.callbacks import FailureInjector, SparseCheckpointing
+from lightning_moe_ckpt.callbacks import SparseCheckpointing
 from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn
-from lightning_moe_ckpt.recovery import AtSchedule
 from lightning_moe_ckpt.strategies import TrainerMoEParallelStrategy
+from lightning_moe_ckpt.testing import AtSchedule, FailureInjector
 from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable
 from tests.anymodel.models import grouped_experts_moe, qwen3_moe
 from tests.distributed.staged_workloads import full_state, parallelize_grouped_experts

@@ -19,17 +19,16 @@ from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
-from lightning_moe_ckpt.checkpoint.planner_base import BasePlanner
+from lightning_moe_ckpt.core.layout import Coordinates
 from lightning_moe_ckpt.data import BatchLayout, SeekableSampler
-from lightning_moe_ckpt.parallel.consolidate import gather_consolidated_state
-from lightning_moe_ckpt.parallel.engine import build_parallel_engine
 from lightning_moe_ckpt.parallel.pipeline import BoundaryEvent, PipelineRunner
-from lightning_moe_ckpt.parallel.topology import Coordinates
+from lightning_moe_ckpt.planning.planner import BasePlanner
+from lightning_moe_ckpt.training.consolidate import consolidated_state, gather_consolidated_state
 from lightning_moe_ckpt.training.data import build_data
+from lightning_moe_ckpt.training.distributed_executor import build_parallel_engine
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.outputs import consolidated_state
-from lightning_moe_ckpt.training.peers import PeerCheckpointing
-from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
+from moe_recipes.comparisons import PeerCheckpointing
+from moe_recipes.settings import RunSettings, settings_from_config
 
 
 def make_settings(pp: int, dp: int, ep: int, precision: str = "32", steps: int = 3,
@@ -231,7 +230,7 @@ class RoundRobinPlanner(BasePlanner):
 
     @override
     def plan(self, iteration: int) -> Any:
-        from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
+        from lightning_moe_ckpt.planning.planner import CapturePlan
 
         index = iteration % self.window
         turns = [tuple(self.names[i::self.window]) for i in range(self.window)]
@@ -248,9 +247,9 @@ def replication_partner_failure(settings: RunSettings, steps: int,
     each rank's thread stopped when it closed its replicator, its error, its persisted
     window and the steps replicated of each window it keeps, and what the next two
     iterations warned."""
-    from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
+    from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
+    from lightning_moe_ckpt.core.registry import OperatorRegistry
     from lightning_moe_ckpt.models.transformer import MoETransformer
-    from lightning_moe_ckpt.operators import OperatorRegistry
 
     engine, _, sampler, shard = _rank_engine(settings)
     with torch.device("meta"):
@@ -307,9 +306,9 @@ def abandoned_replication_thread(settings: RunSettings) -> dict[str, Any]:
     error, after rank 1 closed."""
     import time
 
-    from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
+    from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
+    from lightning_moe_ckpt.core.registry import OperatorRegistry
     from lightning_moe_ckpt.models.transformer import MoETransformer
-    from lightning_moe_ckpt.operators import OperatorRegistry
 
     engine, _, sampler, shard = _rank_engine(settings)
     with torch.device("meta"):
@@ -350,14 +349,14 @@ def abandoned_replication_thread(settings: RunSettings) -> dict[str, Any]:
 
 def replica_peers_of(rank: int, ranks_per_node: int = 1) -> list[int]:
     """Replica placement of the 4-rank test world with 2 replicas."""
-    from lightning_moe_ckpt.checkpoint.replication import replica_peers
+    from lightning_moe_ckpt.replication.replicator import replica_peers
 
     return replica_peers(rank, dist.get_world_size(), 2, ranks_per_node=ranks_per_node)
 
 
 def _corrupt_one_piece(replicas: Any, source: int, window_start: int) -> None:
-    from lightning_moe_ckpt.checkpoint.codec import encode_payload
-    from lightning_moe_ckpt.checkpoint.replication import decode_snapshot
+    from lightning_moe_ckpt.replication.replicator import decode_snapshot
+    from lightning_moe_ckpt.snapshots.codec import encode_payload
 
     held = replicas.windows[source][window_start]
     step = min(held)
@@ -373,10 +372,10 @@ def replication_check(settings: RunSettings, steps: int, window: int,
     """Train with snapshots replicated to 2 peers; compare every rank's persisted window
     with the copies its peers hold (or, with all ranks on one node, the mappings of its
     shared memory), and report host memory over the run."""
-    from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
-    from lightning_moe_ckpt.checkpoint.replication import CorruptCheckpointError, decode_snapshot
+    from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
+    from lightning_moe_ckpt.core.registry import OperatorRegistry
     from lightning_moe_ckpt.models.transformer import MoETransformer
-    from lightning_moe_ckpt.operators import OperatorRegistry
+    from lightning_moe_ckpt.replication.replicator import CorruptCheckpointError, decode_snapshot
 
     engine, _, sampler, shard = _rank_engine(settings)
     with torch.device("meta"):

@@ -7,11 +7,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
-from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
-from lightning_moe_ckpt.targets.base import StepHooks
+from lightning_moe_ckpt.core.target import StepHooks
+from lightning_moe_ckpt.planning.planner import CapturePlan
+from lightning_moe_ckpt.snapshots.capture import SnapshotEngine
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.settings import settings_from_config
+from moe_recipes.settings import settings_from_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -17,8 +17,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.sim import simulate
 from lightning_moe_ckpt.sim.profile import load_profile
+from moe_recipes.sim.experiments import simulate
 from tests.bounded import RUN_TIMEOUT_S, run_bounded
 from tests.conftest import CONF_DIR, REPO
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_moe_ckpt.checkpoint.checksum import default_threads
-from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE
-from lightning_moe_ckpt.checkpoint.replication import decode_snapshot
+from lightning_moe_ckpt.replication.replicator import decode_snapshot
+from lightning_moe_ckpt.snapshots.checksum import default_threads
+from lightning_moe_ckpt.snapshots.helper_threads import DEFAULT_HELPER_NICE
 from tests.recipes.test_train_recipe import assert_states_equal, run_recipe
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from lightning_moe_ckpt.recovery.supervisor import heartbeat_key
+from lightning_moe_ckpt.failures.supervisor import heartbeat_key
 from tests.conftest import REPO, alive
 from tests.recipes.test_train_recipe import assert_states_equal, run_recipe
 

@@ -15,8 +15,8 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.training.settings import settings_from_config
-from lightning_moe_ckpt.training.supervised import needs_supervisor
+from moe_recipes.settings import settings_from_config
+from moe_recipes.supervised import needs_supervisor
 from tests.bounded import run_bounded
 from tests.conftest import CONF_DIR, REPO
 from tests.forked import run_python

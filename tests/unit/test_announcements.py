@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-from lightning_moe_ckpt.checkpoint.announcements import (
+from lightning_moe_ckpt.replication.announcements import (
     RECORDS,
     Announcement,
     AnnouncementPage,
@@ -22,7 +22,7 @@ from lightning_moe_ckpt.checkpoint.announcements import (
     PartnerState,
     page_bytes,
 )
-from lightning_moe_ckpt.checkpoint.shared_slots import SlotHandle, SlotRing
+from lightning_moe_ckpt.replication.shared_slots import SlotHandle, SlotRing
 
 BOUNDED_S = 60.0
 

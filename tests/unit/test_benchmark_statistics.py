@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_moe_ckpt.benchmark_statistics import median_interval
+from moe_recipes.statistics import median_interval
 
 
 def _coverage(n: int, k: int) -> float:

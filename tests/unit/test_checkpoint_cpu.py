@@ -10,9 +10,9 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
-from lightning_moe_ckpt.checkpoint.replication import Replicator
+from lightning_moe_ckpt.replication.replicator import Replicator
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.settings import settings_from_config
+from moe_recipes.settings import settings_from_config
 
 COPY_DELAY_S = 0.3
 

@@ -16,20 +16,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_moe_ckpt.checkpoint.checksum import (
+from lightning_moe_ckpt.snapshots.checksum import (
     bytes_checksum,
     raw_bytes,
     reseed_checksum,
     tensor_checksum,
 )
-from lightning_moe_ckpt.checkpoint.codec import (
+from lightning_moe_ckpt.snapshots.codec import (
     CorruptCheckpointError,
     decode_snapshot,
     encode_snapshot,
     encode_snapshot_into,
     snapshot_header,
 )
-from lightning_moe_ckpt.checkpoint.pieces import PieceBuffers, PieceLayout, Snapshot, SnapshotPiece
+from lightning_moe_ckpt.snapshots.snapshot import PieceBuffers, PieceLayout, Snapshot, SnapshotPiece
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8)
 

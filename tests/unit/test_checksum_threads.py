@@ -11,14 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_moe_ckpt.checkpoint.checksum import (
+from lightning_moe_ckpt.snapshots.capture import SnapshotEngine
+from lightning_moe_ckpt.snapshots.checksum import (
     MAX_THREADS,
     ChecksumThreads,
     default_threads,
     raw_bytes,
     views_checksum,
 )
-from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
 from tests.unit.capture_plans import Plan
 from tests.unit.test_snapshot import _batch, _engine
 

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from lightning_moe_ckpt.checkpoint.copy_batches import CopyBatches, CopySegment
+from lightning_moe_ckpt.snapshots.copy_batches import CopyBatches, CopySegment
 
 
 def _sources() -> list[torch.Tensor]:

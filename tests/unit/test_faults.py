@@ -11,20 +11,20 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from lightning_moe_ckpt.core.precision import MasterWeightAdamW
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.precision import MasterWeightAdamW
-from lightning_moe_ckpt.recovery import (
+from lightning_moe_ckpt.recovery import UpstreamLog
+from lightning_moe_ckpt.testing import (
     AtSchedule,
     FailureCounter,
     FailureEvent,
     MtbfSchedule,
     NoFaults,
     TraceSchedule,
-    UpstreamLog,
     destroy_rank_state,
     schedule_from_config,
 )
-from lightning_moe_ckpt.recovery.faults import check_reachable
+from lightning_moe_ckpt.testing.faults import check_reachable
 
 
 def test_at_schedule_fires_listed_events_at_their_steps() -> None:

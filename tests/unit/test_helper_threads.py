@@ -13,15 +13,15 @@ import time
 import pytest
 import torch
 
-from lightning_moe_ckpt.checkpoint.checksum import ChecksumThreads, raw_bytes, views_checksum
-from lightning_moe_ckpt.checkpoint.helper_threads import (
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.snapshots.capture import SnapshotEngine
+from lightning_moe_ckpt.snapshots.checksum import ChecksumThreads, raw_bytes, views_checksum
+from lightning_moe_ckpt.snapshots.helper_threads import (
     DEFAULT_HELPER_NICE,
     MAX_NICE,
     HelperThread,
     require_helper_nice,
 )
-from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
-from lightning_moe_ckpt.errors import ConfigError
 from tests.unit.capture_plans import Plan
 from tests.unit.test_snapshot import _batch, _engine
 

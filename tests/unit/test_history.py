@@ -10,8 +10,8 @@ import weakref
 
 import torch
 
-from lightning_moe_ckpt.training.core import IterationResult
 from lightning_moe_ckpt.training.history import STEPS_PER_CHUNK, ScalarSeries, TrainingHistory
+from lightning_moe_ckpt.training.iteration import IterationResult
 
 
 def test_series_keeps_every_value_in_order_across_chunks() -> None:

@@ -15,12 +15,12 @@ import torch
 from torch.distributed import TCPStore
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_moe_ckpt.core.layout import ParallelPlan
+from lightning_moe_ckpt.core.target import PipelineExecution, UserModelParallelism
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.parallel.topology import ParallelPlan
-from lightning_moe_ckpt.recovery.rendezvous import JobStore
-from lightning_moe_ckpt.recovery.supervisor import ENV_STORE, TIMEOUT_KEY
-from lightning_moe_ckpt.strategies.real_failures import JoiningLoader, check_replaceable
-from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
+from lightning_moe_ckpt.failures.join import JoiningLoader, check_replaceable
+from lightning_moe_ckpt.failures.rendezvous import JobStore
+from lightning_moe_ckpt.failures.supervisor import ENV_STORE, TIMEOUT_KEY
 
 
 def _loader(shuffle: bool = False) -> DataLoader[Any]:

@@ -8,9 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models import MoELayer, MoEModelConfig, MoETransformer
-from lightning_moe_ckpt.operators import OperatorRegistry
 from tests.conftest import CONF_DIR
 
 

@@ -9,11 +9,8 @@ from torch import nn
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.parallel.hf_plan import hf_decoder_shape
-from lightning_moe_ckpt.parallel.model_plans import (
-    ModelShape,
-    check_user_model,
-    stage_layer_ids,
-)
+from lightning_moe_ckpt.parallel.model_plans import ModelShape, stage_layer_ids
+from lightning_moe_ckpt.parallel.plan_selection import check_user_model
 from lightning_moe_ckpt.strategies import TrainerMoEParallelStrategy
 from tests.anymodel.models import N_EXPERTS, N_LAYERS, grouped_experts_moe, mixtral, qwen3_moe
 from tests.distributed.trainer_user_parallel import UserModule

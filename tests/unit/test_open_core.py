@@ -24,10 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
+from lightning_moe_ckpt.core.operators import expert_position, is_expert_parameter
+from lightning_moe_ckpt.core.optimizer_state import OptimizerStateAccess
+from lightning_moe_ckpt.core.precision import MasterWeightAdamW
+from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.operators import OperatorRegistry, expert_position, is_expert_parameter
-from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
-from lightning_moe_ckpt.precision import MasterWeightAdamW
 from lightning_moe_ckpt.targets.telemetry import RouterTelemetry
 from tests.anymodel.models import (
     BUILDERS,
@@ -456,8 +457,7 @@ class _TwoOptimizers(LMModule):
 
 
 def test_a_failure_injector_without_its_checkpointing_callback_is_refused() -> None:
-    from lightning_moe_ckpt.callbacks import FailureInjector
-    from lightning_moe_ckpt.recovery import AtSchedule
+    from lightning_moe_ckpt.testing import AtSchedule, FailureInjector
 
     module = LMModule(modulelist_moe(0))
     orphan = SparseCheckpointing("moevement", window=3)

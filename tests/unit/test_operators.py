@@ -8,18 +8,18 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_moe_ckpt.core.precision import PRECISIONS, Precision
+from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.models import MoEModelConfig, MoETransformer
-from lightning_moe_ckpt.operators import OperatorRegistry
-from lightning_moe_ckpt.precision import PRECISIONS, Precision
-from lightning_moe_ckpt.training.core import (
+from lightning_moe_ckpt.training.executor import LocalExecutor
+from lightning_moe_ckpt.training.iteration import (
     build_model,
     build_optimizer,
     build_scheduler,
     language_model_loss,
     train_iteration,
 )
-from lightning_moe_ckpt.training.executor import LocalExecutor
-from lightning_moe_ckpt.training.settings import OptimSettings
+from moe_recipes.settings import OptimSettings
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 FROZEN = ["layers.1.moe.experts.3", "layers.1.moe.experts.5", "layers.2.attn",

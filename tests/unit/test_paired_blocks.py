@@ -9,11 +9,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lightning_moe_ckpt.benchmark_statistics import paired_block_ratios
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.settings import settings_from_config
+from moe_recipes.settings import settings_from_config
+from moe_recipes.statistics import paired_block_ratios
 
 
 def test_each_cycle_gives_the_ratio_of_its_settled_steps() -> None:

@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.peers import PeerCheckpointing
-from lightning_moe_ckpt.training.settings import RunSettings
+from moe_recipes.comparisons import PeerCheckpointing
+from moe_recipes.settings import RunSettings
 from tests.distributed.workloads import make_settings, whole_batch_sampler
 
 FAILING_STEP = 3  # the save of the state after three optimizer steps fails

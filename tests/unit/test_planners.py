@@ -10,20 +10,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_moe_ckpt.checkpoint import profiler
-from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
-from lightning_moe_ckpt.checkpoint.planners import PLANNER_NAMES, MoEvementPlanner, make_planner
-from lightning_moe_ckpt.checkpoint.planners_dense import (
+from lightning_moe_ckpt.core.registry import OperatorRegistry
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.models import MoEModelConfig, MoETransformer
+from lightning_moe_ckpt.planning import profiler
+from lightning_moe_ckpt.planning.planner import CapturePlan
+from lightning_moe_ckpt.planning.schedule import OperatorSpec, specs_from_registry
+from lightning_moe_ckpt.policies.dense import (
     CheckFreqPlanner,
     GeminiPlanner,
     checkfreq_interval,
     oracle_interval,
 )
-from lightning_moe_ckpt.checkpoint.planners_partial import MoCPlanner, MoEtionPlanner
-from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec, specs_from_registry
-from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.models import MoEModelConfig, MoETransformer
-from lightning_moe_ckpt.operators import OperatorRegistry
+from lightning_moe_ckpt.policies.moevement import PLANNER_NAMES, MoEvementPlanner, make_planner
+from lightning_moe_ckpt.policies.partial import MoCPlanner, MoEtionPlanner
 
 LAYERS, EXPERTS = 2, 4
 

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_moe_ckpt.checkpoint.popularity import (
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.planning.popularity import (
     HostMirror,
     PopularityTracker,
     should_reorder,
 )
-from lightning_moe_ckpt.errors import ConfigError
 
 HARD = torch.tensor([[6.0, 2.0, 0.0, 8.0], [4.0, 4.0, 4.0, 4.0]])  # 8 tokens x top-2
 SOFT = torch.tensor([[3.0, 1.0, 0.5, 3.5], [2.0, 2.0, 2.0, 2.0]])  # probabilities sum to 8

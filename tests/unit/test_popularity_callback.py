@@ -1,13 +1,13 @@
-"""The PopularityTracker callback: popularity shares from the routing of real iterations."""
+"""The PopularityMonitor callback: popularity shares from the routing of real iterations."""
 
 from __future__ import annotations
 
 import torch
 from omegaconf import OmegaConf
 
-from lightning_moe_ckpt.callbacks import PopularityTracker
+from lightning_moe_ckpt.callbacks import PopularityMonitor
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.settings import settings_from_config
+from moe_recipes.settings import settings_from_config
 
 
 def test_hard_shares_match_routed_token_counts() -> None:
@@ -15,7 +15,7 @@ def test_hard_shares_match_routed_token_counts() -> None:
         "model": {"max_seq_len": 16}, "data": {"seq_len": 16},
         "trainer": {"global_batch": 8, "max_steps": 4}}))
     engine = TrainingEngine.local(settings)
-    tracker = PopularityTracker("hard")
+    tracker = PopularityMonitor("hard")
     tracker.attach(engine)
     totals = torch.zeros(4, 8)
     generator = torch.Generator().manual_seed(3)
@@ -28,7 +28,7 @@ def test_hard_shares_match_routed_token_counts() -> None:
     stats = tracker.layer_statistics()
     assert stats["popularity/layer0_top_share"] == float(expected[0].max())
     assert 0.0 < stats["popularity/layer2_entropy"] <= 1.0
-    restored = PopularityTracker("hard")
+    restored = PopularityMonitor("hard")
     restored.load_state_dict(tracker.state_dict())
     restored.attach(TrainingEngine.local(settings))
     torch.testing.assert_close(restored.shares(), shares)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_moe_ckpt.core.precision import MasterWeightAdamW, parse_precision
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.precision import MasterWeightAdamW, parse_precision
 
 
 def _named(dtype: torch.dtype) -> list[tuple[str, nn.Parameter]]:

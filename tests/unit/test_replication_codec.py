@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
-from lightning_moe_ckpt.checkpoint.pieces import Snapshot, SnapshotPiece
-from lightning_moe_ckpt.checkpoint.replication import (
+from lightning_moe_ckpt.replication.replicator import (
     CorruptCheckpointError,
     decode_snapshot,
     encode_snapshot,
 )
+from lightning_moe_ckpt.snapshots.checksum import tensor_checksum
+from lightning_moe_ckpt.snapshots.snapshot import Snapshot, SnapshotPiece
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def test_corrupted_piece_names_rank_operator_and_iteration() -> None:
 
 
 def test_metadata_tensors_and_rng_states_survive_the_header_bitwise() -> None:
-    from lightning_moe_ckpt.checkpoint.rng import rng_state
+    from lightning_moe_ckpt.core.rng import rng_state
 
     snapshot = _snapshot()
     metadata = {"rng": rng_state(), "clip_coef": torch.tensor(0.25),

@@ -7,18 +7,18 @@ import pytest
 import torch
 
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
-from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
-from lightning_moe_ckpt.checkpoint.codec import decode_snapshot, encode_snapshot
-from lightning_moe_ckpt.checkpoint.pieces import (
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.planning.planner import CapturePlan
+from lightning_moe_ckpt.replication.retention import RetainingReplicaStore, RetainingSnapshotStore
+from lightning_moe_ckpt.snapshots.checksum import tensor_checksum
+from lightning_moe_ckpt.snapshots.codec import decode_snapshot, encode_snapshot
+from lightning_moe_ckpt.snapshots.snapshot import (
     HostBufferPool,
     PieceLayout,
     Snapshot,
     SnapshotPiece,
 )
-from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
-from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
-from lightning_moe_ckpt.checkpoint.store import SnapshotStore
-from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.snapshots.store import SnapshotStore
 
 EXPERTS = [f"layers.0.moe.experts.{e}" for e in range(4)]
 NON_EXPERTS = ["embed", "layers.0.moe.gate"]

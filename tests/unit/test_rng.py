@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_moe_ckpt.checkpoint import rng
-from lightning_moe_ckpt.checkpoint.rng import NumpyGlobalState, restore_rng, rng_state
+from lightning_moe_ckpt.core import rng
+from lightning_moe_ckpt.core.rng import NumpyGlobalState, restore_rng, rng_state
 
 
 @pytest.fixture(autouse=True)

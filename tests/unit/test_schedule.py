@@ -11,7 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_moe_ckpt.checkpoint.schedule import (
+from lightning_moe_ckpt.core.registry import OperatorRegistry
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.models import MoEModelConfig, MoETransformer
+from lightning_moe_ckpt.planning.schedule import (
     OperatorSpec,
     WindowSchedule,
     dense_bytes,
@@ -19,9 +22,6 @@ from lightning_moe_ckpt.checkpoint.schedule import (
     plan_window,
     specs_from_registry,
 )
-from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.models import MoEModelConfig, MoETransformer
-from lightning_moe_ckpt.operators import OperatorRegistry
 
 
 def _cuts(n: int, parts: int | None = None) -> list[list[int]]:

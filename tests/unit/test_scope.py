@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_moe_ckpt.core.layout import ParallelPlan
+from lightning_moe_ckpt.failures.survivor import agree_on_failure
 from lightning_moe_ckpt.models import MoEModelConfig
-from lightning_moe_ckpt.parallel import ParallelPlan
 from lightning_moe_ckpt.recovery import (
     RecoveryScope,
     adjacent,
@@ -16,9 +17,8 @@ from lightning_moe_ckpt.recovery import (
     recovery_scopes,
     restarted,
 )
+from lightning_moe_ckpt.recovery.api import RecoveryRequest
 from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
-from lightning_moe_ckpt.recovery.entry import RecoveryRequest
-from lightning_moe_ckpt.recovery.real_failures import agree_on_failure
 
 
 def _plan(pp: int, dp: int = 1, ep: int = 1, schedule: str = "1f1b") -> ParallelPlan:

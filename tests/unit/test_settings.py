@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.training.data import build_corpus
-from lightning_moe_ckpt.training.settings import settings_from_config
+from moe_recipes.settings import settings_from_config
 from tests.conftest import CONF_DIR
 
 

@@ -19,23 +19,23 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lightning_moe_ckpt.checkpoint import codec
-from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
-from lightning_moe_ckpt.checkpoint.codec import decode_snapshot, encode_snapshot
-from lightning_moe_ckpt.checkpoint.pieces import (
-    HostBufferPool,
-    PieceLayout,
-    Snapshot,
-    SnapshotPiece,
-)
-from lightning_moe_ckpt.checkpoint.replica_store import ReplicaStore
-from lightning_moe_ckpt.checkpoint.shared_slots import (
+from lightning_moe_ckpt.replication.replica_store import ReplicaStore
+from lightning_moe_ckpt.replication.shared_slots import (
     MappedSlots,
     SharedSlot,
     SlotHandle,
     SlotMapper,
     SlotRing,
     slot_key,
+)
+from lightning_moe_ckpt.snapshots import codec
+from lightning_moe_ckpt.snapshots.checksum import tensor_checksum
+from lightning_moe_ckpt.snapshots.codec import decode_snapshot, encode_snapshot
+from lightning_moe_ckpt.snapshots.snapshot import (
+    HostBufferPool,
+    PieceLayout,
+    Snapshot,
+    SnapshotPiece,
 )
 
 BOUNDED_S = 60.0  # the source process starts (imports torch) and dies within this
@@ -168,7 +168,7 @@ def test_a_larger_snapshot_gets_a_slot_that_fits() -> None:
 
 _SOURCE = r"""
 import sys, torch
-from lightning_moe_ckpt.checkpoint.shared_slots import SlotRing
+from lightning_moe_ckpt.replication.shared_slots import SlotRing
 slot = SlotRing().acquire(4096)
 slot.view(4096).copy_(torch.arange(4096) % 251)
 print(*slot.handle(4096, 0).as_tensor().tolist(), flush=True)

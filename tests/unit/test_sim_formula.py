@@ -12,12 +12,12 @@ from omegaconf import OmegaConf
 from typing_extensions import override
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.ettr_formulas import (
+from lightning_moe_ckpt.models.config import MoEModelConfig
+from lightning_moe_ckpt.planning.intervals import (
     ettr_formula,
     oracle_interval,
     smallest_interval_within,
 )
-from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim import (
     ClusterSpec,
     JobSpec,

@@ -22,10 +22,10 @@ from lightning_moe_ckpt.sim import (
     build_job,
     load_profile,
     make_policy,
-    simulate,
 )
 from lightning_moe_ckpt.sim.inputs import parse_precision
 from lightning_moe_ckpt.sim.profile import PROFILE_SCHEMA
+from moe_recipes.sim.experiments import simulate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_moe_ckpt.checkpoint.schedule import plan_window
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models.config import MoEModelConfig
+from lightning_moe_ckpt.planning.schedule import plan_window
 from lightning_moe_ckpt.sim import ClusterSpec, JobSpec, ParallelPlan, SimJob, build_job
 from lightning_moe_ckpt.sim.calibration import Calibration
 from lightning_moe_ckpt.sim.dense_policies import (
@@ -196,7 +196,7 @@ def test_simulated_windows_are_the_runtimes_algorithm_1() -> None:
 
 
 def test_the_runtime_does_not_import_the_simulator() -> None:
-    code = ("import sys, lightning_moe_ckpt.checkpoint.planners_dense\n"
+    code = ("import sys, lightning_moe_ckpt.policies.dense\n"
             "print(sorted(m for m in sys.modules if m.startswith('lightning_moe_ckpt.sim')))")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

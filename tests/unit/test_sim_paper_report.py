@@ -13,8 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.sim import paper_values as paper
-from lightning_moe_ckpt.sim.paper_report import Cell, _ordering, _summary, compare_with_paper
+from moe_recipes.sim import paper_values as paper
+from moe_recipes.sim.paper_report import Cell, _ordering, _summary, compare_with_paper
 from tests.conftest import REPO
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.models.transformer import MoETransformer
-from lightning_moe_ckpt.operators import OperatorRegistry
 from lightning_moe_ckpt.sim import ClusterSpec, JobSpec, ParallelPlan, build_job, comm
 from lightning_moe_ckpt.sim.inputs import PRECISIONS, parse_precision
 from lightning_moe_ckpt.sim.schedule import find_window, order_operators

@@ -11,23 +11,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from lightning_moe_ckpt.checkpoint import slot_placement
-from lightning_moe_ckpt.checkpoint.checksum import bytes_checksum, raw_bytes
-from lightning_moe_ckpt.checkpoint.codec import (
+from lightning_moe_ckpt.replication import slot_placement
+from lightning_moe_ckpt.replication.replica_store import ReplicaStore
+from lightning_moe_ckpt.replication.shared_slots import SlotRing
+from lightning_moe_ckpt.replication.slot_placement import SlotPlacement, encode_in_slot
+from lightning_moe_ckpt.snapshots.capture import SnapshotEngine
+from lightning_moe_ckpt.snapshots.checksum import bytes_checksum, raw_bytes
+from lightning_moe_ckpt.snapshots.codec import (
     CorruptCheckpointError,
     decode_snapshot,
     encode_snapshot,
     snapshot_header,
 )
-from lightning_moe_ckpt.checkpoint.piece_blob import PIECE_ALIGNMENT
-from lightning_moe_ckpt.checkpoint.pieces import HostBufferPool, Snapshot
-from lightning_moe_ckpt.checkpoint.replica_store import ReplicaStore
-from lightning_moe_ckpt.checkpoint.shared_slots import SlotRing
-from lightning_moe_ckpt.checkpoint.slot_placement import SlotPlacement, encode_in_slot
-from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
-from lightning_moe_ckpt.checkpoint.store import SnapshotStore
+from lightning_moe_ckpt.snapshots.piece_blob import PIECE_ALIGNMENT
+from lightning_moe_ckpt.snapshots.snapshot import HostBufferPool, Snapshot
+from lightning_moe_ckpt.snapshots.store import SnapshotStore
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.settings import settings_from_config
+from moe_recipes.settings import settings_from_config
 from tests.unit.capture_plans import Plan, round_robin
 
 

@@ -10,21 +10,21 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
-from lightning_moe_ckpt.checkpoint.pieces import (
+from lightning_moe_ckpt.core.optimizer_state import OptimizerStateAccess
+from lightning_moe_ckpt.core.precision import PRECISIONS, Precision
+from lightning_moe_ckpt.core.registry import OperatorRegistry
+from lightning_moe_ckpt.core.target import StepHooks
+from lightning_moe_ckpt.snapshots.capture import SnapshotEngine
+from lightning_moe_ckpt.snapshots.checksum import tensor_checksum
+from lightning_moe_ckpt.snapshots.snapshot import (
     HostBufferPool,
     PieceBuffers,
     PieceLayout,
     Snapshot,
 )
-from lightning_moe_ckpt.checkpoint.snapshot import SnapshotEngine
-from lightning_moe_ckpt.checkpoint.store import SnapshotStore
-from lightning_moe_ckpt.operators import OperatorRegistry
-from lightning_moe_ckpt.optimizer_state import OptimizerStateAccess
-from lightning_moe_ckpt.precision import PRECISIONS, Precision
-from lightning_moe_ckpt.targets.base import StepHooks
+from lightning_moe_ckpt.snapshots.store import SnapshotStore
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.settings import settings_from_config
+from moe_recipes.settings import settings_from_config
 from tests.anymodel.models import bias_balanced_moe
 from tests.unit.capture_plans import Plan, round_robin
 

@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_moe_ckpt.checkpoint.checksum import tensor_checksum
-from lightning_moe_ckpt.checkpoint.codec import (
+from lightning_moe_ckpt.snapshots.checksum import tensor_checksum
+from lightning_moe_ckpt.snapshots.codec import (
     MAGIC,
     CorruptCheckpointError,
     SnapshotFormatError,
@@ -30,8 +30,8 @@ from lightning_moe_ckpt.checkpoint.codec import (
     snapshot_header,
     split_pieces,
 )
-from lightning_moe_ckpt.checkpoint.pieces import Snapshot, SnapshotPiece
-from lightning_moe_ckpt.checkpoint.wire import WireFormatError, dumps, loads
+from lightning_moe_ckpt.snapshots.snapshot import Snapshot, SnapshotPiece
+from lightning_moe_ckpt.snapshots.wire import WireFormatError, dumps, loads
 
 UNPICKLED: list[str] = []
 

@@ -11,12 +11,12 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
-from lightning_moe_ckpt.checkpoint.codec import CorruptCheckpointError
-from lightning_moe_ckpt.precision import PRECISIONS, Precision
-from lightning_moe_ckpt.recovery.replay import recover_from_store
+from lightning_moe_ckpt.core.precision import PRECISIONS, Precision
+from lightning_moe_ckpt.recovery.sparse_to_dense import recover_from_store
+from lightning_moe_ckpt.snapshots.codec import CorruptCheckpointError
+from lightning_moe_ckpt.training.consolidate import consolidated_state
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.outputs import consolidated_state
-from lightning_moe_ckpt.training.settings import settings_from_config
+from moe_recipes.settings import settings_from_config
 
 STEPS, WINDOW = 14, 3
 

@@ -7,8 +7,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.training.settings import RunSettings, settings_from_config
-from lightning_moe_ckpt.training.stage_profile import measure_compute
+from moe_recipes.settings import RunSettings, settings_from_config
+from moe_recipes.stage_profile import measure_compute
 from tests.conftest import CONF_DIR
 
 

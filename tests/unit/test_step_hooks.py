@@ -9,9 +9,9 @@ import torch
 from omegaconf import OmegaConf
 from typing_extensions import override
 
-from lightning_moe_ckpt.targets.base import StepHooks, StepResult
+from lightning_moe_ckpt.core.target import StepHooks, StepResult
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.settings import settings_from_config
+from moe_recipes.settings import settings_from_config
 
 BROKEN = "Connection reset by peer"
 

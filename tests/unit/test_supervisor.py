@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.recovery.supervisor import Supervisor
+from lightning_moe_ckpt.failures.supervisor import Supervisor
 from lightning_moe_ckpt.supervise import main as supervise
 from tests.conftest import REPO
 from tests.forked import PRELOAD, run_python
@@ -29,8 +29,8 @@ WORKER = textwrap.dedent("""
     gc.disable()  # nothing to collect in a worker this short: it starts and exits faster
     from datetime import timedelta
     from torch.distributed import TCPStore
-    from lightning_moe_ckpt.recovery.rendezvous import await_assignment
-    from lightning_moe_ckpt.recovery.supervisor import finished_key, heartbeat_key
+    from lightning_moe_ckpt.failures.rendezvous import await_assignment
+    from lightning_moe_ckpt.failures.supervisor import finished_key, heartbeat_key
     gc.freeze()
     if not await_assignment():  # a warm spare the job did not need
         sys.exit(0)
@@ -142,8 +142,8 @@ def test_a_forked_script_runs_and_leaves_as_python_would(tmp_path: Path, how: st
 # as the supervisor stops its workers.
 SERVER_LOST = textwrap.dedent("""
     import os, signal, sys, time
-    from lightning_moe_ckpt.recovery.forked_workers import WorkerForker
-    from lightning_moe_ckpt.recovery.supervisor import Supervisor
+    from lightning_moe_ckpt.failures.forked_workers import WorkerForker
+    from lightning_moe_ckpt.failures.supervisor import Supervisor
     if __name__ == "__main__" and sys.argv[1] == "sleep":
         time.sleep(120)
     elif __name__ == "__main__":  # (a worker imports this file as __mp_main__ first)
@@ -185,7 +185,7 @@ FORKED_IN = textwrap.dedent("""
     from pathlib import Path
     import numpy
     import torch
-    from lightning_moe_ckpt.recovery.forked_workers import WorkerForker
+    from lightning_moe_ckpt.failures.forked_workers import WorkerForker
     if __name__ == "__main__" and sys.argv[1] == "child":
         draw = numpy.random.randint(2**62)
         print("child", os.getcwd(), torch.get_num_threads(), draw, flush=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
+from lightning_moe_ckpt.core.layout import Coordinates, ParallelPlan
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models import MoEModelConfig
-from lightning_moe_ckpt.parallel import Coordinates, ParallelPlan
-from lightning_moe_ckpt.training.settings import settings_from_config
+from moe_recipes.settings import settings_from_config
 from tests.conftest import CONF_DIR
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 from typing_extensions import override
 
-from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator
-from lightning_moe_ckpt.checkpoint.profiler import (
+from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
+from lightning_moe_ckpt.core.target import StepHooks, StepResult
+from lightning_moe_ckpt.planning.profiler import (
     BANDWIDTH_PROBE_BYTES,
     IterationProfiler,
     measure_bandwidth,
 )
-from lightning_moe_ckpt.targets.base import StepHooks, StepResult
 
 __all__ = ["PlannerProfiling"]
 

@@ -16,12 +16,12 @@ are errors naming ``checkpoint.<key>``).
 For ``moevement`` without a forced ``window`` the first ``warmup_iterations`` are profiled
 (iteration time, device-to-host bandwidth; :mod:`.planner_profiling`) before the first
 window is planned; all ranks agree on the largest W so window boundaries line up
-(:mod:`~lightning_moe_ckpt.checkpoint.agreement`, in the background between boundaries).
+(:mod:`~lightning_moe_ckpt.planning.agreement`, in the background between boundaries).
 Metrics logged every step: snapshot bytes, stall ms, W, reorders, replication lag.
 
 Under the supervisor (``python -m lightning_moe_ckpt.supervise``) a user's module split by
 ``TrainerMoEParallelStrategy`` is also protected against workers that really die or hang
-(:mod:`~lightning_moe_ckpt.strategies.real_failures`); :attr:`SparseCheckpointing.peer_failures`
+(:mod:`~lightning_moe_ckpt.failures.join`); :attr:`SparseCheckpointing.peer_failures`
 then records each recovery.
 """
 
@@ -39,24 +39,27 @@ from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks.durable_checkpoints import DurableCheckpoints
 from lightning_moe_ckpt.callbacks.planner_profiling import PlannerProfiling
-from lightning_moe_ckpt.checkpoint.agreement import LargestAcrossRanks
-from lightning_moe_ckpt.checkpoint.checksum import require_checksum_threads
-from lightning_moe_ckpt.checkpoint.coordinator import CheckpointCoordinator, require_paired_blocks
-from lightning_moe_ckpt.checkpoint.helper_threads import DEFAULT_HELPER_NICE, require_helper_nice
-from lightning_moe_ckpt.checkpoint.planner_base import CapturePlan
-from lightning_moe_ckpt.checkpoint.planners import make_planner, planner_options, setting_options
-from lightning_moe_ckpt.checkpoint.rng import restore_rng, rng_state
-from lightning_moe_ckpt.checkpoint.schedule import specs_from_registry
-from lightning_moe_ckpt.checkpoint.shared_slots import SAME_NODE_REPLICAS
+from lightning_moe_ckpt.checkpointing.coordinator import (
+    CheckpointCoordinator,
+    require_paired_blocks,
+)
+from lightning_moe_ckpt.core.operators import OperatorOverride
+from lightning_moe_ckpt.core.rng import restore_rng, rng_state
+from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
-from lightning_moe_ckpt.operators import OperatorOverride
+from lightning_moe_ckpt.failures.join import check_replaceable, protect_user_module
+from lightning_moe_ckpt.failures.rendezvous import JobStore
+from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
+from lightning_moe_ckpt.planning.agreement import LargestAcrossRanks
+from lightning_moe_ckpt.planning.planner import CapturePlan
+from lightning_moe_ckpt.planning.schedule import specs_from_registry
+from lightning_moe_ckpt.policies.moevement import make_planner, planner_options, setting_options
 from lightning_moe_ckpt.recovery.durable import RNG_KEY
-from lightning_moe_ckpt.recovery.real_failures import PeerFailureHandler
-from lightning_moe_ckpt.recovery.rendezvous import JobStore
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
-from lightning_moe_ckpt.strategies.real_failures import check_replaceable, protect_user_module
+from lightning_moe_ckpt.replication.shared_slots import SAME_NODE_REPLICAS
+from lightning_moe_ckpt.snapshots.checksum import require_checksum_threads
+from lightning_moe_ckpt.snapshots.helper_threads import DEFAULT_HELPER_NICE, require_helper_nice
 from lightning_moe_ckpt.strategies.trainer import MoEParallelStrategy
-from lightning_moe_ckpt.targets.base import StepHooks, StepResult, TrainingTarget
 from lightning_moe_ckpt.targets.fabric import FabricTarget, ProtectedStep, StepFunction
 from lightning_moe_ckpt.targets.lightning import LightningTarget
 from lightning_moe_ckpt.targets.telemetry import RouterParser
@@ -93,10 +96,10 @@ class SparseCheckpointing(L.Callback, StepHooks):
     memory (``same_node_replicas="shared"``: it outlives this process, and no bytes are
     copied) or receives a copy (``"copied"``). ``paired_blocks=N`` is a measurement, not
     a setting for protected training: snapshots are taken in alternate blocks of N steps
-    only (:mod:`~lightning_moe_ckpt.checkpoint.coordinator`). ``helper_nice`` is added to
+    only (:mod:`~lightning_moe_ckpt.checkpointing.coordinator`). ``helper_nice`` is added to
     the nice value of the threads that copy, checksum, replicate and write snapshots, so
     that on shared cores they yield to the training threads
-    (:mod:`~lightning_moe_ckpt.checkpoint.helper_threads`; 0: the same priority).
+    (:mod:`~lightning_moe_ckpt.snapshots.helper_threads`; 0: the same priority).
     """
 
     records_for_replay = True  # its step hook logs the scalars a replay reuses

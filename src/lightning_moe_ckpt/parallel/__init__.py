@@ -1,5 +1,2 @@
-"""Parallel execution: topology (pp x dp x ep), expert dispatch, pipeline stages."""
-
-from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
-
-__all__ = ["Coordinates", "ParallelPlan"]
+"""Parallel execution primitives: pipeline stages with a boundary hook, expert dispatch,
+and the plans that split a user's model into stages and expert shards."""

@@ -26,17 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_moe_ckpt.core.discovery import ShardedExperts
 from lightning_moe_ckpt.parallel.expert_parallel import exchange_with_owners
 
 
-class ExpertShard(nn.Module):
+class ExpertShard(nn.Module, ShardedExperts):
     """Marks a fused experts module holding experts ``[first_expert, first_expert +
     local_experts)`` of ``global_experts``; operator discovery names its slices by their
     global expert ids."""
 
-    first_expert: int
-    local_experts: int
-    global_experts: int
     ep_group: dist.ProcessGroup
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

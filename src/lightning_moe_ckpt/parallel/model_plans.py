@@ -8,7 +8,7 @@ consolidated state are named as in the user's model, in every layout.
 
 * Hugging Face decoder-only MoE models (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3 families
   in transformers 5.x) get a built-in plan (:mod:`~lightning_moe_ckpt.parallel.hf_plan`),
-  chosen automatically.
+  chosen automatically (:mod:`~lightning_moe_ckpt.parallel.plan_selection`).
 * Anything else brings a ``parallelize_fn(model, mesh) -> StagedModel``, the contract
   torchtitan uses: split the model into the stage modules of ``mesh``'s pipeline rank and
   shard its experts (:func:`~lightning_moe_ckpt.parallel.fused_experts.shard_fused_experts`
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_moe_ckpt.errors import ConfigError, require
+from lightning_moe_ckpt.errors import require
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ModelShape:
     @classmethod
     def of(cls, model: nn.Module) -> ModelShape:
         """The shape of a full model, from its routed-expert operators (discovery rules)."""
-        from lightning_moe_ckpt.operator_discovery import discover_operators
+        from lightning_moe_ckpt.core.discovery import discover_operators
 
         experts = [(op.layer, op.expert) for op in discover_operators(model)
                    if op.kind == "expert" and op.layer is not None and op.expert is not None]
@@ -86,29 +86,3 @@ def check_layout(shape: ModelShape, *, pp: int, ep: int, what: str) -> None:
     require(shape.n_layers >= pp,
             f"{what} has {shape.n_layers} decoder layers, fewer than the {pp} pipeline "
             f"stages of parallel.pp={pp}")
-
-
-def resolve_plan(model: nn.Module, parallelize_fn: ParallelizeFn | None,
-                 ) -> tuple[ParallelizeFn, ModelShape | None]:
-    """The plan for ``model``: the user's ``parallelize_fn`` when given, else the built-in
-    plan that recognises the model; with the model's shape when the plan knows it."""
-    from lightning_moe_ckpt.parallel.hf_plan import hf_decoder_shape, parallelize_hf_decoder
-
-    if parallelize_fn is not None:
-        return parallelize_fn, None
-    shape = hf_decoder_shape(model)
-    if shape is None:
-        raise ConfigError(
-            f"no parallel plan for {type(model).__name__}: the built-in plans cover the "
-            "library's model and Hugging Face decoder-only MoE causal LMs (model.layers, "
-            "model.embed_tokens, model.norm, lm_head); pass MoEParallelStrategy("
-            "parallelize_fn=...) returning a StagedModel for any other model")
-    return parallelize_hf_decoder, shape
-
-
-def check_user_model(model: nn.Module, parallelize_fn: ParallelizeFn | None, *, pp: int,
-                     ep: int) -> None:
-    """Before launch: ``model`` has a plan, and a built-in plan's model fits the layout."""
-    _, shape = resolve_plan(model, parallelize_fn)
-    if shape is not None:
-        check_layout(shape, pp=pp, ep=ep, what=type(model).__name__)

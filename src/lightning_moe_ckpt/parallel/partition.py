@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_moe_ckpt.core.layout import Coordinates, ParallelPlan
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.models.transformer import (
     Embedding,
@@ -20,7 +21,6 @@ from lightning_moe_ckpt.models.transformer import (
     OutputHead,
     run_blocks,
 )
-from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
 
 
 class StageModule(nn.Module):

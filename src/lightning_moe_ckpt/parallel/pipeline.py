@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from typing_extensions import override
 
-from lightning_moe_ckpt.parallel.topology import ParallelPlan
+from lightning_moe_ckpt.core.layout import ParallelPlan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

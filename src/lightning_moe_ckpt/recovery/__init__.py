@@ -1,27 +1,19 @@
-"""Recovery groundwork: upstream logging, failure injection and recovery scopes.
+"""Recovery: :func:`recover`, the one entry point every failure detector calls, and what
+it is made of: window agreement and fetch, the recovery scope, the upstream log,
+sparse-to-dense conversion and replay, localized and global rollback, and the durable
+fallback.
 
 :mod:`~lightning_moe_ckpt.recovery.upstream_log` keeps host copies of every boundary
 tensor a rank sends (plus inputs, labels and per-iteration scalars) so a failed stage can
-replay from its neighbours' logs; :mod:`~lightning_moe_ckpt.recovery.faults` decides when
-and where ranks fail and destroys what a dead worker loses;
-:mod:`~lightning_moe_ckpt.recovery.scope` computes which ranks roll back (paper §3.4 and
-Appendix A) and which pause.
+replay from its neighbours' logs; :mod:`~lightning_moe_ckpt.recovery.scope` computes which
+ranks roll back (paper §3.4 and Appendix A) and which pause.
 """
 
-from lightning_moe_ckpt.recovery.faults import (
-    PHASES,
-    AtSchedule,
-    FailureCounter,
-    FailureEvent,
-    FaultSchedule,
-    LostState,
-    MtbfSchedule,
-    NoFaults,
-    Phase,
-    TraceSchedule,
-    destroy_rank_state,
-    parse_event,
-    schedule_from_config,
+from lightning_moe_ckpt.recovery.api import (
+    DurableFallback,
+    RecoveryOutcome,
+    RecoveryRequest,
+    recover,
 )
 from lightning_moe_ckpt.recovery.scope import (
     RecoveryScope,
@@ -30,6 +22,8 @@ from lightning_moe_ckpt.recovery.scope import (
     recovery_scopes,
     restarted,
 )
+from lightning_moe_ckpt.recovery.side import CheckpointSide
+from lightning_moe_ckpt.recovery.sparse_to_dense import Cascade, RecoveryReport
 from lightning_moe_ckpt.recovery.upstream_log import (
     IterationScalars,
     LogBufferPool,
@@ -37,27 +31,7 @@ from lightning_moe_ckpt.recovery.upstream_log import (
     UpstreamLog,
 )
 
-__all__ = [
-    "PHASES",
-    "AtSchedule",
-    "FailureCounter",
-    "FailureEvent",
-    "FaultSchedule",
-    "IterationScalars",
-    "LogBufferPool",
-    "LoggedBatch",
-    "LostState",
-    "MtbfSchedule",
-    "NoFaults",
-    "Phase",
-    "RecoveryScope",
-    "TraceSchedule",
-    "UpstreamLog",
-    "adjacent",
-    "destroy_rank_state",
-    "parse_event",
-    "paused_ranks",
-    "recovery_scopes",
-    "restarted",
-    "schedule_from_config",
-]
+__all__ = ["Cascade", "CheckpointSide", "DurableFallback", "IterationScalars", "LogBufferPool",
+           "LoggedBatch", "RecoveryOutcome", "RecoveryReport", "RecoveryRequest",
+           "RecoveryScope", "UpstreamLog", "adjacent", "paused_ranks", "recover",
+           "recovery_scopes", "restarted"]

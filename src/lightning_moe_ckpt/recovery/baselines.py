@@ -13,7 +13,7 @@
   lose tokens, which the report says.
 
 A single process keeps its host memory through a device failure, so a dense baseline
-there recovers from its own store (:func:`~lightning_moe_ckpt.recovery.replay.
+there recovers from its own store (:func:`~lightning_moe_ckpt.recovery.sparse_to_dense.
 recover_from_store`). Failures that cascade into a running recovery are not modelled
 for the baselines.
 """
@@ -26,31 +26,30 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_moe_ckpt.checkpoint.codec import CorruptCheckpointError, decode_snapshot
-from lightning_moe_ckpt.checkpoint.planner_base import BasePlanner
-from lightning_moe_ckpt.checkpoint.planners_dense import CheckFreqPlanner, GeminiPlanner
+from lightning_moe_ckpt.planning.planner import BasePlanner
 from lightning_moe_ckpt.recovery.global_rollback import global_rollback
 from lightning_moe_ckpt.recovery.partial_restore import partial_restore
-from lightning_moe_ckpt.recovery.protocol import CheckpointSide
-from lightning_moe_ckpt.recovery.replay import (
+from lightning_moe_ckpt.recovery.side import CheckpointSide
+from lightning_moe_ckpt.recovery.sparse_to_dense import (
     RecoveryReport,
     SnapshotView,
     recover_from_store,
     snapshot_view,
     sparse_to_dense,
 )
+from lightning_moe_ckpt.snapshots.codec import CorruptCheckpointError, decode_snapshot
 
 
 def is_baseline(planner: BasePlanner) -> bool:
     """Whether ``planner`` is a baseline policy with its own recovery."""
-    return planner.restores_partially or isinstance(planner, GeminiPlanner | CheckFreqPlanner)
+    return planner.restore_rule != "sparse_to_dense"
 
 
 def recover_baseline(coordinator: CheckpointSide, failed_step: int,
                      failed_ranks: Iterable[int], world_size: int) -> RecoveryReport:
     """Recover a baseline policy's run (collective when ``world_size > 1``)."""
     planner = coordinator.planner
-    if planner.restores_partially:
+    if planner.restore_rule == "partial_restore":
         return partial_restore(coordinator, failed_step, failed_ranks)
     if world_size == 1:
         return recover_from_store(coordinator, failed_step)

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from lightning_moe_ckpt.checkpoint.rng import restore_rng
-from lightning_moe_ckpt.recovery.replay import RecoveryReport
-from lightning_moe_ckpt.targets.base import TrainingTarget
+from lightning_moe_ckpt.core.rng import restore_rng
+from lightning_moe_ckpt.core.target import TrainingTarget
+from lightning_moe_ckpt.recovery.sparse_to_dense import RecoveryReport
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -27,9 +27,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_moe_ckpt.checkpoint.replication import CorruptCheckpointError
-from lightning_moe_ckpt.recovery.protocol import CheckpointSide
-from lightning_moe_ckpt.recovery.replay import (
+from lightning_moe_ckpt.recovery.side import CheckpointSide
+from lightning_moe_ckpt.recovery.sparse_to_dense import (
     Cascade,
     RecoveryInterrupted,
     RecoveryReport,
@@ -37,6 +36,7 @@ from lightning_moe_ckpt.recovery.replay import (
     snapshot_view,
     sparse_to_dense,
 )
+from lightning_moe_ckpt.replication.replicator import CorruptCheckpointError
 
 
 def agree_on_window(coordinator: CheckpointSide, failed: tuple[int, ...],

@@ -33,16 +33,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_moe_ckpt.parallel.topology import Coordinates, ParallelPlan
+from lightning_moe_ckpt.core.layout import Coordinates, ParallelPlan
 from lightning_moe_ckpt.recovery.global_rollback import agree_on_window
-from lightning_moe_ckpt.recovery.protocol import CheckpointSide
-from lightning_moe_ckpt.recovery.replay import (
+from lightning_moe_ckpt.recovery.scope import RecoveryScope, recovery_scopes
+from lightning_moe_ckpt.recovery.side import CheckpointSide
+from lightning_moe_ckpt.recovery.sparse_to_dense import (
     Cascade,
     RecoveryInterrupted,
     RecoveryReport,
     sparse_to_dense,
 )
-from lightning_moe_ckpt.recovery.scope import RecoveryScope, recovery_scopes
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 
 

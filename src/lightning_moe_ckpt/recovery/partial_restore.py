@@ -13,7 +13,7 @@ must stay identical, so all of them restore the same checkpoint) calls
 3. every rank gets, for each of its operators, the newest persisted master save at or
    before ``e``: non-experts (in every snapshot) from SS_e, each expert from the last
    snapshot that captured it (the stores keep it, see
-   :mod:`~lightning_moe_ckpt.checkpoint.retention`). Surviving ranks read their own
+   :mod:`~lightning_moe_ckpt.replication.retention`). Surviving ranks read their own
    store, failed ranks receive the pieces from their first intact live replica peer,
    which cuts them out of its serialized copies; every piece's checksum is verified;
 4. the saves are loaded (all operators active), the LR schedule, param groups, RNG and
@@ -41,21 +41,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_moe_ckpt.checkpoint.codec import (
+from lightning_moe_ckpt.core.target import TrainingTarget
+from lightning_moe_ckpt.planning.schedule import expert_position
+from lightning_moe_ckpt.recovery.side import CheckpointSide
+from lightning_moe_ckpt.recovery.sparse_to_dense import (
+    RecoveryReport,
+    load_piece,
+)
+from lightning_moe_ckpt.replication.replicator import replica_peers
+from lightning_moe_ckpt.replication.retention import RetainingReplicaStore, RetainingSnapshotStore
+from lightning_moe_ckpt.snapshots.codec import (
     CorruptCheckpointError,
     decode_snapshot,
     split_pieces,
 )
-from lightning_moe_ckpt.checkpoint.pieces import SnapshotPiece
-from lightning_moe_ckpt.checkpoint.replication import replica_peers
-from lightning_moe_ckpt.checkpoint.retention import RetainingReplicaStore, RetainingSnapshotStore
-from lightning_moe_ckpt.checkpoint.schedule import expert_position
-from lightning_moe_ckpt.recovery.protocol import CheckpointSide
-from lightning_moe_ckpt.recovery.replay import (
-    RecoveryReport,
-    load_piece,
-)
-from lightning_moe_ckpt.targets.base import TrainingTarget
+from lightning_moe_ckpt.snapshots.snapshot import SnapshotPiece
 
 Save = tuple[int, dict[str, Any]]  # (iteration, {"kind", "tensors"}) of one operator
 Restore = tuple[dict[str, Save], dict[str, Any]]  # saves by operator, SS_e's metadata
@@ -91,7 +91,7 @@ def _stores(coordinator: CheckpointSide
     if not isinstance(store, RetainingSnapshotStore) or not (
             replicas is None or isinstance(replicas, RetainingReplicaStore)):
         raise TypeError("partial restore needs the retaining stores a partial planner gets "
-                        "(planner.restores_partially)")
+                        "(planner.restore_rule == 'partial_restore')")
     return store, replicas
 
 

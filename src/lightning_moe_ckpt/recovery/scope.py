@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from lightning_moe_ckpt.parallel.topology import ParallelPlan
+from lightning_moe_ckpt.core.layout import ParallelPlan
 
 
 @dataclass(frozen=True, order=True)

@@ -53,7 +53,7 @@ class IterationScalars:
 class LogBufferPool:
     """The log's reusable host buffers, keyed by shape and dtype (pinned on CUDA machines).
 
-    Snapshots have their own pool, :class:`~lightning_moe_ckpt.checkpoint.pieces.HostBufferPool`,
+    Snapshots have their own pool, :class:`~lightning_moe_ckpt.snapshots.snapshot.HostBufferPool`,
     which hands out a set of buffers per piece layout.
 
     Every iteration logs tensors of the same shapes, and an allocation per send would be a

@@ -26,7 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from lightning_moe_ckpt.ettr_formulas import ettr_formula, oracle_interval, smallest_interval_within
+from lightning_moe_ckpt.planning.intervals import (
+    ettr_formula,
+    oracle_interval,
+    smallest_interval_within,
+)
 from lightning_moe_ckpt.sim.job import SimJob
 from lightning_moe_ckpt.sim.recovery import global_rollback
 from lightning_moe_ckpt.sim.regime import Regime, StaticPolicy
@@ -102,7 +106,7 @@ def plan_checkfreq(job: SimJob, max_overhead: float, max_interval: int) -> Stati
     ``max_overhead`` of the iteration time (the longest searched if none does)."""
     # The stall share only falls as the interval grows (the persist wait shrinks and the
     # snapshot is amortised), so the first interval within the cap is the answer: the
-    # runtime planner's rule (lightning_moe_ckpt.ettr_formulas).
+    # runtime planner's rule (lightning_moe_ckpt.planning.intervals).
     interval = smallest_interval_within(
         lambda k: checkfreq_regime(job, k).stall_overhead, max_overhead, max_interval)
     return StaticPolicy("checkfreq", checkfreq_regime(job, interval))

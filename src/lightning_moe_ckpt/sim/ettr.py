@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lightning_moe_ckpt.errors import require
-from lightning_moe_ckpt.ettr_formulas import ettr_formula
+from lightning_moe_ckpt.planning.intervals import ettr_formula
 
 if TYPE_CHECKING:
     from lightning_moe_ckpt.sim.regime import Policy

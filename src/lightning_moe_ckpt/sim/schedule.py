@@ -2,7 +2,7 @@
 
 The simulator does not plan windows itself: it hands each stage's operators, with the
 bytes one GPU holds of each (``1 / ranks`` of every operator) and their popularity, to
-:func:`lightning_moe_ckpt.checkpoint.schedule.plan_window`, the code the training runtime
+:func:`lightning_moe_ckpt.planning.schedule.plan_window`, the code the training runtime
 uses, and reads the result back in terms of its own :class:`OperatorCost` records. The
 per-iteration byte budget is passed as the bandwidth of a one-second iteration, so the
 window comes out exactly as the runtime would plan it for that budget: operators in
@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_moe_ckpt.checkpoint.schedule import OperatorSpec, WindowSchedule, plan_window
-from lightning_moe_ckpt.checkpoint.schedule import order_operators as runtime_order
 from lightning_moe_ckpt.errors import require
+from lightning_moe_ckpt.planning.schedule import OperatorSpec, WindowSchedule, plan_window
+from lightning_moe_ckpt.planning.schedule import order_operators as runtime_order
 from lightning_moe_ckpt.sim.workload import OperatorCost
 
 # plan_window needs a positive bandwidth; a budget this small fits no operator, which is

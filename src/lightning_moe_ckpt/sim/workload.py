@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lightning_moe_ckpt.core.operators import OperatorKind
+from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.models.transformer import MoETransformer
-from lightning_moe_ckpt.operators import OperatorKind, OperatorRegistry
 from lightning_moe_ckpt.sim.inputs import ParallelPlan, PrecisionSpec
 
 NON_EXPERT_KINDS: frozenset[str] = frozenset({"embed", "attn", "gate", "shared_experts", "head"})

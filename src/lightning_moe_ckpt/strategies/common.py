@@ -19,7 +19,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from lightning_moe_ckpt.recovery.rendezvous import JobStore
+from lightning_moe_ckpt.failures.rendezvous import JobStore
 
 STRATEGY_NAME = "moe_parallel"
 

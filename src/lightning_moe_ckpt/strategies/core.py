@@ -11,17 +11,17 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_moe_ckpt.core.layout import MESH_DIMS, SCHEDULES, Coordinates
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.parallel.engine import (
+from lightning_moe_ckpt.parallel.pipeline import BoundaryHook
+from lightning_moe_ckpt.training.distributed_executor import (
     DistributedExecutor,
     ProcessGroups,
     build_parallel_engine,
     build_parallel_executor,
 )
-from lightning_moe_ckpt.parallel.pipeline import BoundaryHook
-from lightning_moe_ckpt.parallel.topology import MESH_DIMS, SCHEDULES, Coordinates
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.settings import RunSettings
+from lightning_moe_ckpt.training.settings import TrainingSettings
 
 
 class MoEParallelCore:
@@ -79,7 +79,7 @@ class MoEParallelCore:
         coords = self.coordinates
         return coords.dp * self.ep + coords.ep
 
-    def build_engine(self, settings: RunSettings, device: torch.device) -> TrainingEngine:
+    def build_engine(self, settings: TrainingSettings, device: torch.device) -> TrainingEngine:
         """This rank's engine for ``settings`` (whose layout must match the strategy's; the
         micro-batch count comes from ``settings.layout``)."""
         if self.mesh is None:

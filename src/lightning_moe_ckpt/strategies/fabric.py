@@ -30,7 +30,6 @@ from typing_extensions import override
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn
-from lightning_moe_ckpt.parallel.staged_executor import LossFn
 from lightning_moe_ckpt.strategies.common import (
     STRATEGY_NAME,
     assign_world_ranks,
@@ -42,13 +41,14 @@ from lightning_moe_ckpt.strategies.common import (
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
 from lightning_moe_ckpt.strategies.user_model import SplitModelParallelism, UserModelSplit
 from lightning_moe_ckpt.targets.user_loop import clip_by_total_norm
-from lightning_moe_ckpt.training.engine import TrainingEngine
-from lightning_moe_ckpt.training.settings import RunSettings
+from lightning_moe_ckpt.training.engine import EngineProvider, TrainingEngine
+from lightning_moe_ckpt.training.settings import TrainingSettings
+from lightning_moe_ckpt.training.staged_executor import LossFn
 
 __all__ = ["STRATEGY_NAME", "MoEParallelStrategy"]
 
 
-class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism):
+class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvider):
     """Fabric strategy over a pp x dp x ep mesh: the built-in model's
     :class:`TrainingEngine`, or a user's model split by a plan (:meth:`parallelize`)."""
 
@@ -92,7 +92,8 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism):
         # Every stage of one pipeline reads the same shard; shards are the dp x ep ranks.
         return {"num_replicas": int(self.core.dp) * self.core.ep, "rank": self.core.data_shard}
 
-    def build_engine(self, settings: RunSettings) -> TrainingEngine:
+    @override
+    def build_engine(self, settings: TrainingSettings) -> TrainingEngine:
         """This rank's training engine (call after ``fabric.launch()``)."""
         return self.core.build_engine(settings, self.root_device)
 

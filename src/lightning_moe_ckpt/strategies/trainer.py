@@ -33,9 +33,11 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn, check_user_model
-from lightning_moe_ckpt.recovery.rendezvous import await_assignment
-from lightning_moe_ckpt.recovery.supervisor import is_replacement
+from lightning_moe_ckpt.failures.join import JoiningLoader
+from lightning_moe_ckpt.failures.rendezvous import await_assignment
+from lightning_moe_ckpt.failures.supervisor import is_replacement
+from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn
+from lightning_moe_ckpt.parallel.plan_selection import check_user_model
 from lightning_moe_ckpt.strategies.common import (
     assign_world_ranks,
     barrier,
@@ -44,15 +46,14 @@ from lightning_moe_ckpt.strategies.common import (
     register,
 )
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
-from lightning_moe_ckpt.strategies.real_failures import JoiningLoader
 from lightning_moe_ckpt.strategies.user_model import SplitModelParallelism, UserModelSplit
 from lightning_moe_ckpt.targets.user_loop import clip_by_total_norm
-from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.training.engine import EngineProvider, TrainingEngine
 from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable
-from lightning_moe_ckpt.training.settings import RunSettings
+from lightning_moe_ckpt.training.settings import TrainingSettings
 
 
-class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism):
+class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvider):
     """Trainer strategy running a :class:`TrainingEngine` per rank over a pp x dp x ep mesh."""
 
     def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
@@ -101,7 +102,8 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": int(self.core.dp) * self.core.ep, "rank": self.core.data_shard}
 
-    def build_engine(self, settings: RunSettings) -> TrainingEngine:
+    @override
+    def build_engine(self, settings: TrainingSettings) -> TrainingEngine:
         """This rank's training engine (called from the module's ``configure_model``)."""
         return self.core.build_engine(settings, self.root_device)
 

@@ -21,19 +21,15 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from lightning_moe_ckpt.core.layout import ParallelPlan
+from lightning_moe_ckpt.core.target import PipelineExecution, UserModelParallelism
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.parallel.engine import ProcessGroups
 from lightning_moe_ckpt.parallel.fused_experts import set_expert_group
-from lightning_moe_ckpt.parallel.model_plans import (
-    ModelShape,
-    ParallelizeFn,
-    StagedModel,
-    resolve_plan,
-)
-from lightning_moe_ckpt.parallel.staged_executor import LossFn, StagedExecutor
-from lightning_moe_ckpt.parallel.topology import ParallelPlan
+from lightning_moe_ckpt.parallel.model_plans import ModelShape, ParallelizeFn, StagedModel
+from lightning_moe_ckpt.parallel.plan_selection import resolve_plan
 from lightning_moe_ckpt.strategies.core import MoEParallelCore
-from lightning_moe_ckpt.targets.base import PipelineExecution, UserModelParallelism
+from lightning_moe_ckpt.training.distributed_executor import ProcessGroups
+from lightning_moe_ckpt.training.staged_executor import LossFn, StagedExecutor
 
 
 class UserModelSplit:

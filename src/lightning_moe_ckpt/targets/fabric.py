@@ -22,9 +22,10 @@ from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch import nn
 from typing_extensions import override
 
+from lightning_moe_ckpt.core.batch_log import BatchRecord
+from lightning_moe_ckpt.core.operators import OperatorOverride
+from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.errors import require
-from lightning_moe_ckpt.operators import OperatorOverride, OperatorRegistry
-from lightning_moe_ckpt.recovery.batch_log import BatchRecord
 from lightning_moe_ckpt.targets.telemetry import RouterParser, RouterTelemetry, configured_top_k
 from lightning_moe_ckpt.targets.user_loop import (
     Scheduler,

@@ -32,11 +32,12 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightning_moe_ckpt.core.batch_log import BatchRecord
+from lightning_moe_ckpt.core.operators import OperatorOverride
+from lightning_moe_ckpt.core.precision import MasterWeightOptimizer
+from lightning_moe_ckpt.core.registry import OperatorRegistry
+from lightning_moe_ckpt.core.target import IterationAborted
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.operators import OperatorOverride, OperatorRegistry
-from lightning_moe_ckpt.precision import MasterWeightOptimizer
-from lightning_moe_ckpt.recovery.batch_log import BatchRecord
-from lightning_moe_ckpt.targets.base import IterationAborted
 from lightning_moe_ckpt.targets.telemetry import RouterParser, RouterTelemetry, configured_top_k
 from lightning_moe_ckpt.targets.user_loop import (
     UserLoopTarget,

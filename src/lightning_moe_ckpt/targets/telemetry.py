@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_moe_ckpt.core.operators import expert_position
+from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.operators import OperatorRegistry, expert_position
 
 RouterParser = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
 

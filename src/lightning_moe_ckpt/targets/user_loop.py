@@ -11,7 +11,7 @@ update, and the copy of the previous snapshot overlaps forward and backward.
 At the start of each iteration the loop front end (the callback's ``on_train_batch_start``
 or the Fabric step wrapper) calls :meth:`UserLoopTarget.start_iteration`: the batch, its
 index, the RNG states, the LR schedulers and the optimizer's hyper-parameters go to the
-:class:`~lightning_moe_ckpt.recovery.batch_log.BatchLog`, and the observers run (a failure
+:class:`~lightning_moe_ckpt.core.batch_log.BatchLog`, and the observers run (a failure
 injector may recover right there). Replay restores that state and runs the iteration
 again through the user's own step.
 
@@ -40,11 +40,11 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_moe_ckpt.checkpoint.rng import restore_rng, rng_state
-from lightning_moe_ckpt.operators import OperatorRegistry
-from lightning_moe_ckpt.parallel.topology import ParallelPlan
-from lightning_moe_ckpt.recovery.batch_log import BatchLog, BatchRecord, host_copy
-from lightning_moe_ckpt.targets.base import (
+from lightning_moe_ckpt.core.batch_log import BatchLog, BatchRecord, host_copy
+from lightning_moe_ckpt.core.layout import ParallelPlan
+from lightning_moe_ckpt.core.registry import OperatorRegistry
+from lightning_moe_ckpt.core.rng import restore_rng, rng_state
+from lightning_moe_ckpt.core.target import (
     IterationAborted,
     PipelineExecution,
     StepTelemetry,

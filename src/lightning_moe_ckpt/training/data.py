@@ -22,7 +22,7 @@ from lightning_moe_ckpt.data import (
     textfile_corpus,
     validation_sampler,
 )
-from lightning_moe_ckpt.training.settings import DataSettings, RunSettings
+from lightning_moe_ckpt.training.settings import DataSettings, TrainingSettings
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def build_corpus(data: DataSettings) -> TokenCorpus:
     return stdlib_corpus(data.val_percent)
 
 
-def build_data(settings: RunSettings) -> RunData:
+def build_data(settings: TrainingSettings) -> RunData:
     """Corpus, training sampler and validation sampler for ``settings``."""
     corpus = build_corpus(settings.data)
     layout = BatchLayout(settings.global_batch, settings.layout.microbatches,
@@ -72,7 +72,7 @@ def build_data(settings: RunSettings) -> RunData:
                    validation_sampler(corpus.val, seq_len, layout, settings.seed))
 
 
-def build_dataloaders(settings: RunSettings, shard: int = 0
+def build_dataloaders(settings: TrainingSettings, shard: int = 0
                       ) -> tuple[DataLoader[dict[str, Any]], DataLoader[dict[str, Any]]]:
     """``(train, validation)`` loaders of one data shard; train item ``t`` is iteration ``t``."""
     data = build_data(settings)

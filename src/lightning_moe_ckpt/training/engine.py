@@ -8,6 +8,7 @@ same iteration function.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,24 +16,41 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
-from lightning_moe_ckpt.checkpoint.rng import restore_rng, rng_state
-from lightning_moe_ckpt.models.transformer import MoETransformer
-from lightning_moe_ckpt.parallel.topology import ParallelPlan
-from lightning_moe_ckpt.precision import MasterWeightAdamW
-from lightning_moe_ckpt.targets.base import (
+from lightning_moe_ckpt.core.layout import ParallelPlan
+from lightning_moe_ckpt.core.precision import MasterWeightAdamW
+from lightning_moe_ckpt.core.rng import restore_rng, rng_state
+from lightning_moe_ckpt.core.target import (
     IterationAborted,
     PipelineExecution,
     TrainingTarget,
 )
-from lightning_moe_ckpt.training.core import (
+from lightning_moe_ckpt.models.transformer import MoETransformer
+from lightning_moe_ckpt.training.executor import Backward, Executor, LocalExecutor
+from lightning_moe_ckpt.training.iteration import (
     IterationResult,
     build_model,
     build_optimizer,
     build_scheduler,
     train_iteration,
 )
-from lightning_moe_ckpt.training.executor import Backward, Executor, LocalExecutor
-from lightning_moe_ckpt.training.settings import RunSettings
+from lightning_moe_ckpt.training.settings import TrainingSettings
+
+
+class EngineProvider(ABC):
+    """A strategy that builds the built-in model's engine for its rank: its share of the
+    model under ``pp x dp x ep``, and the data shard it reads. The built-in
+    LightningModule asks its Trainer's strategy for one when the strategy declares this;
+    any other strategy gets a local engine."""
+
+    @abstractmethod
+    def build_engine(self, settings: TrainingSettings) -> TrainingEngine:
+        """This rank's engine for ``settings`` (called from the module's
+        ``configure_model``)."""
+
+    @property
+    @abstractmethod
+    def data_shard(self) -> int:
+        """Which data shard this rank reads (the same on every stage of a pipeline)."""
 
 
 class TrainingEngine(TrainingTarget):
@@ -43,7 +61,7 @@ class TrainingEngine(TrainingTarget):
     the deterministic sampler (a pure function of step and shard).
     """
 
-    def __init__(self, settings: RunSettings, model: MoETransformer,
+    def __init__(self, settings: TrainingSettings, model: MoETransformer,
                  optimizer: MasterWeightAdamW, scheduler: LambdaLR, executor: Executor,
                  batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
                  ) -> None:
@@ -56,14 +74,14 @@ class TrainingEngine(TrainingTarget):
         self.batch = batch  # this rank's (inputs, targets) of a step, for replay
 
     @classmethod
-    def local(cls, settings: RunSettings,
+    def local(cls, settings: TrainingSettings,
               device: torch.device | str = "cpu") -> TrainingEngine:
         """The single-process engine (the reference for every parallel layout)."""
         model = build_model(settings.model, settings.precision, settings.seed).to(device)
         return cls.around(settings, model, LocalExecutor(model))
 
     @classmethod
-    def around(cls, settings: RunSettings, model: MoETransformer,
+    def around(cls, settings: TrainingSettings, model: MoETransformer,
                executor: Executor) -> TrainingEngine:
         """An engine over an already built (possibly partial) model and its executor."""
         optimizer = build_optimizer(model, settings.precision, settings.optim)

@@ -1,6 +1,6 @@
 """How one iteration's forward/backward, gradient sync and statistics run: locally or spread.
 
-:func:`~lightning_moe_ckpt.training.core.train_iteration` is written once against the
+:func:`~lightning_moe_ckpt.training.iteration.train_iteration` is written once against the
 :class:`Executor` protocol. :class:`LocalExecutor` is the single-process reference; the
 distributed executor (``parallel/engine.py``) runs a pipeline schedule, expert-parallel
 dispatch and collective gradient sync behind the same methods.

@@ -18,15 +18,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_moe_ckpt.core.target import UserModelParallelism
 from lightning_moe_ckpt.data.sampler import SeekableSampler
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models.config import MoEModelConfig
-from lightning_moe_ckpt.targets.base import UserModelParallelism
-from lightning_moe_ckpt.training.core import build_scheduler, language_model_loss
 from lightning_moe_ckpt.training.data import IterationDataset
 from lightning_moe_ckpt.training.history import TrainingHistory
+from lightning_moe_ckpt.training.iteration import build_scheduler, language_model_loss
 from lightning_moe_ckpt.training.pipeline_module import PipelineTrainable
-from lightning_moe_ckpt.training.settings import RunSettings
+from lightning_moe_ckpt.training.settings import TrainingSettings
 
 
 def build_hf_model(cfg: MoEModelConfig, seed: int) -> nn.Module:
@@ -53,7 +53,7 @@ class HFLanguageModule(PipelineTrainable, L.LightningModule):
     """Next-byte prediction with a Hugging Face MoE, automatic optimization; under
     ``MoEParallelStrategy`` its model is split by the built-in plan."""
 
-    def __init__(self, settings: RunSettings, history: TrainingHistory,
+    def __init__(self, settings: TrainingSettings, history: TrainingHistory,
                  sampler: SeekableSampler) -> None:
         super().__init__()
         self.settings = settings

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_moe_ckpt.training.core import IterationResult
+from lightning_moe_ckpt.training.iteration import IterationResult
 
 STEPS_PER_CHUNK = 256  # scalars stacked together: one small tensor per chunk of steps
 

@@ -4,9 +4,10 @@ The module uses manual optimization: one ``training_step`` is one full iteration
 micro-batches (forward/backward, possibly through a pipeline schedule, gradient sync,
 clipping, optimizer and LR-scheduler step) run by its
 :class:`~lightning_moe_ckpt.training.engine.TrainingEngine`. ``configure_model`` asks the
-Trainer's strategy for the engine when it is a ``MoEParallelStrategy`` (a rank's share of
-a pp x dp x ep layout) and builds the single-process engine otherwise. The data loaders
-come from the seekable sampler, sharded by the strategy's data shard, so the module keeps
+Trainer's strategy for the engine when it is an
+:class:`~lightning_moe_ckpt.training.engine.EngineProvider` (``MoEParallelStrategy``: a
+rank's share of a pp x dp x ep layout) and builds the single-process engine otherwise. The data
+loaders come from the seekable sampler, sharded by the strategy's data shard, so the module keeps
 the data position equal to the optimizer step on every rank.
 """
 
@@ -18,20 +19,20 @@ import lightning as L
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_moe_ckpt.targets.base import IterationAborted
+from lightning_moe_ckpt.core.target import IterationAborted
 from lightning_moe_ckpt.targets.lightning import align_trainer_step
-from lightning_moe_ckpt.training.core import language_model_loss
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
-from lightning_moe_ckpt.training.engine import TrainingEngine
+from lightning_moe_ckpt.training.engine import EngineProvider, TrainingEngine
 from lightning_moe_ckpt.training.history import TrainingHistory, ValidationRecord
-from lightning_moe_ckpt.training.settings import RunSettings
-from lightning_moe_ckpt.training.telemetry import ValidationMetrics, evaluate, step_log_values
+from lightning_moe_ckpt.training.iteration import language_model_loss
+from lightning_moe_ckpt.training.settings import TrainingSettings
+from lightning_moe_ckpt.training.step_log import ValidationMetrics, evaluate, step_log_values
 
 
 class MoELanguageModule(L.LightningModule):
     """Trains a :class:`~lightning_moe_ckpt.models.MoETransformer` on next-byte prediction."""
 
-    def __init__(self, settings: RunSettings, history: TrainingHistory | None = None,
+    def __init__(self, settings: TrainingSettings, history: TrainingHistory | None = None,
                  data: RunData | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -47,13 +48,10 @@ class MoELanguageModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.engine is not None:
             return
-        # Imported here: the strategy module imports this package's engine and settings.
-        from lightning_moe_ckpt.strategies.trainer import MoEParallelStrategy
-
         strategy = self.trainer.strategy
-        if isinstance(strategy, MoEParallelStrategy):
+        if isinstance(strategy, EngineProvider):  # e.g. MoEParallelStrategy
             self.engine = strategy.build_engine(self.settings)
-            self.data_shard = strategy.core.data_shard
+            self.data_shard = strategy.data_shard
         else:
             # Built on the device: a MasterWeightAdamW makes its masters where it is built.
             self.engine = TrainingEngine.local(self.settings, device=strategy.root_device)

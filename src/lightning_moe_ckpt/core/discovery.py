@@ -1,0 +1,308 @@
+"""Discovery rules: which parameters (and slices) of any MoE model form which operator.
+
+The rules need no configuration for the common layouts:
+
+* **Blocks**: the shallowest ``ModuleList``/``ModuleDict`` with integer keys (``layers``,
+  ``model.layers``, ``blocks``, ``h``; a pipeline stage's ``ModuleDict`` keeps the global
+  indices) holds the transformer blocks; the key is the layer index.
+* Inside a block, in this order:
+
+  1. **ModuleList experts** (``...experts.<i>.<...>``, HF 4.x Mixtral's
+     ``block_sparse_moe.experts.<i>``): operator ``<block>.<path>.experts.<i>``;
+  2. **fused experts**: parameters owned directly by a module named ``experts`` (HF
+     transformers 5.x ``mlp.experts.gate_up_proj``/``down_proj``, torchtitan-style
+     ``moe.experts.w1/w2/w3``) hold the experts on dim 0: slice ``e`` of every such
+     parameter joins operator ``<block>.<path>.experts.<e>``;
+  3. **shared experts** (a path component ``shared_expert``, ``shared_experts`` or
+     ``shared_expert_gate``): operator ``<block>.<path>.shared_experts``;
+  4. **routers** (a path component ``gate`` or ``router``, with their bias/correction
+     parameters): operator ``<block>.<path>.gate`` (``router`` keeps its name);
+  5. everything else of the block (attention, norms, a dense MLP): ``<block>.attn``.
+
+* Outside the blocks: parameters of ``nn.Embedding`` modules registered before the first
+  block form ``embed``; the linear and normalization layers registered after the last
+  block (final norm, output projection) form ``head``.
+
+A user override (a mapping of ``fnmatch`` patterns on parameter names to operator names,
+or a callable ``(name, param) -> operator name | None``) is consulted first and claims
+whole parameters. A parameter that neither claims is an error naming it and showing the
+override, never merged silently into a neighbour.
+
+Persistent buffers (``state_dict`` entries that are not parameters) join an operator
+too: the override's, else inside a block the one the rules above give their name, else
+the one operator holding the parameters around them; a buffer without such an operator
+is an error naming it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Callable, Mapping
+
+from torch import nn
+
+from lightning_moe_ckpt.core.operators import (
+    BufferRef,
+    Operator,
+    OperatorKind,
+    OperatorOverride,
+    Piece,
+    expert_position,
+    persistent_buffers,
+)
+from lightning_moe_ckpt.errors import ConfigError
+
+_SHARED = frozenset({"shared_expert", "shared_experts", "shared_expert_gate"})
+_ROUTER = frozenset({"gate", "router"})
+
+Assignment = tuple[str, OperatorKind, int | None, int | None, Piece]
+
+
+class ShardedExperts:
+    """Declared by a fused experts module that holds a contiguous block of the model's
+    experts, ``[first_expert, first_expert + local_experts)`` (an expert-parallel shard,
+    :class:`~lightning_moe_ckpt.parallel.fused_experts.ExpertShard`): discovery names its
+    slices by their global expert ids."""
+
+    first_expert: int
+    local_experts: int
+    global_experts: int
+
+
+def _block_container(model: nn.Module) -> str | None:
+    """Path of the module holding the blocks: the shallowest ModuleList/ModuleDict with
+    integer keys (the one with most parameters on a tie)."""
+    best: tuple[int, int, str] | None = None
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList | nn.ModuleDict) or not len(module):
+            continue
+        if path.split(".")[-1] == "experts" or not all(k.isdigit() for k in module._modules):
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        rank = (path.count(".") if path else -1, -size, path)
+        if best is None or rank < best:
+            best = rank
+    return None if best is None else best[2]
+
+
+def _override_of(override: OperatorOverride | None) -> Callable[[str, nn.Parameter],
+                                                               str | None]:
+    if override is None:
+        return lambda name, param: None
+    if isinstance(override, Mapping):
+        patterns = dict(override)
+        for pattern, target in patterns.items():
+            if not isinstance(target, str) or not target:
+                raise ConfigError(f"operators[{pattern!r}]={target!r}: an override maps a "
+                                  "parameter-name pattern to an operator name (a string)")
+
+        def by_pattern(name: str, param: nn.Parameter) -> str | None:
+            for pattern, target in patterns.items():
+                if fnmatch.fnmatchcase(name, pattern):
+                    return target
+            return None
+        return by_pattern
+    if callable(override):
+        user = override
+
+        def checked(name: str, param: nn.Parameter) -> str | None:
+            chosen = user(name, param)
+            if chosen is not None and (not isinstance(chosen, str) or not chosen):
+                raise ConfigError(f"the operators callable returned {chosen!r} for {name!r}; "
+                                  "it must return an operator name (a string) or None")
+            return chosen
+        return checked
+    raise ConfigError(f"operators={override!r} must be a mapping of parameter-name patterns "
+                      "to operator names or a callable (name, param) -> operator name")
+
+
+def unmatched_patterns(model: nn.Module, override: OperatorOverride | None) -> list[str]:
+    """The patterns of a mapping ``override`` that match no parameter name of ``model``
+    (a typo, or a part of the model another pipeline stage holds)."""
+    if not isinstance(override, Mapping):
+        return []
+    names = [name for name, _ in model.named_parameters()]
+    return [pattern for pattern in override
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names)]
+
+
+def _fused_experts(model: nn.Module, container: str | None) -> dict[str, tuple[int, int]]:
+    """Fused expert parameters (owned directly by an ``experts`` module inside a block)
+    with ``(experts held, global id of the first)``: dim 0, equal for every parameter of
+    one experts module; an expert-parallel shard holds a block starting past zero."""
+    fused: dict[str, tuple[int, int]] = {}
+    for path, module in model.named_modules():
+        if path.split(".")[-1] != "experts" or isinstance(module, nn.ModuleList):
+            continue
+        if container is None or not path.startswith(f"{container}."):
+            continue
+        own = list(module.named_parameters(recurse=False))
+        counts = {name: p.shape[0] if p.dim() >= 1 else 0 for name, p in own}
+        if len(set(counts.values())) > 1 or 0 in counts.values():
+            shapes = ", ".join(f"{path}.{n}: {tuple(p.shape)}" for n, p in own)
+            raise ConfigError(f"fused experts module {path!r} holds parameters that do not "
+                              f"share an expert dimension 0 ({shapes}); assign them with "
+                              "SparseCheckpointing(..., operators=...)")
+        first = module.first_expert if isinstance(module, ShardedExperts) else 0
+        count = next(iter(counts.values()), 0)  # 0: no parameters of its own (a container)
+        scored = _router_outputs(model, path) if count else None
+        if scored is not None and scored != count and not isinstance(module, ShardedExperts):
+            warnings.warn(
+                f"fused experts module {path!r} holds {count} slices on dim 0, but its "
+                f"router scores {scored} experts: the rules take dim 0 as the expert "
+                "dimension (as in Hugging Face transformers and torchtitan), so each slice "
+                "becomes an operator and per-expert popularity does not apply. Recovery "
+                "stays exact; put the experts first for one operator per expert",
+                UserWarning, stacklevel=4)
+        fused.update({f"{path}.{name}": (count, first) for name, count in counts.items()})
+    return fused
+
+
+def _router_outputs(model: nn.Module, experts_path: str) -> int | None:
+    """How many experts the router beside ``experts_path`` scores: the rows of the first
+    2-D ``weight`` in it (``gate.weight`` in Hugging Face, ``router.gate.weight`` in
+    torchtitan), or None when there is no such router to read."""
+    parent_path = experts_path.rpartition(".")[0]
+    parent = model.get_submodule(parent_path) if parent_path else model
+    for name, child in parent.named_children():
+        if name not in ("gate", "router"):
+            continue
+        for param_name, param in child.named_parameters():
+            if param_name.rpartition(".")[2] == "weight" and param.dim() == 2:
+                return int(param.shape[0])
+    return None
+
+
+def _inside_block(block: str, layer: int, rest: str, param: nn.Parameter,
+                  name: str, fused: Mapping[str, tuple[int, int]]) -> list[Assignment]:
+    if name in fused:
+        prefix = ".".join([block, *rest.split(".")[:-1]])
+        count, first = fused[name]
+        return [(f"{prefix}.{first + e}", "expert", layer, first + e, Piece(name, param, e))
+                for e in range(count)]
+    operator, kind, expert = _block_operator(block, rest)
+    return [(operator, kind, layer, expert, Piece(name, param))]
+
+
+def _block_operator(block: str, rest: str) -> tuple[str, OperatorKind, int | None]:
+    """Operator, kind and expert of the tensor at ``<block>.<rest>`` (not a fused expert
+    tensor): ModuleList experts, then shared experts, routers, and the rest of the block."""
+    parts = rest.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "experts" and parts[i + 1].isdigit() and i + 2 < len(parts):
+            return ".".join([block, *parts[:i + 2]]), "expert", int(parts[i + 1])
+    for i, part in enumerate(parts[:-1]):
+        if part in _SHARED:
+            return ".".join([block, *parts[:i], "shared_experts"]), "shared_experts", None
+    for i, part in enumerate(parts[:-1]):
+        if part in _ROUTER:
+            return ".".join([block, *parts[:i + 1]]), "gate", None
+    return f"{block}.attn", "attn", None
+
+
+def _is_head_layer(module: nn.Module | None) -> bool:
+    """An output projection or a (final) normalization layer."""
+    return isinstance(module, nn.Linear | nn.Embedding) or (
+        module is not None and "norm" in type(module).__name__.lower())
+
+
+def _unclaimed(name: str) -> ConfigError:
+    return ConfigError(
+        f"parameter {name!r} belongs to no operator: no discovery rule claims it (blocks in "
+        "a ModuleList/ModuleDict, experts, routers named gate/router, shared experts, "
+        "embeddings before the blocks, the head after them). Assign it explicitly, e.g. "
+        f"SparseCheckpointing(..., operators={{{name!r}: 'my_operator'}}) or "
+        "operators=lambda name, param: 'my_operator' if ... else None")
+
+
+def discover_operators(model: nn.Module,
+                       override: OperatorOverride | None = None) -> list[Operator]:
+    """The operators of ``model`` in model order (see the module docstring for the rules)."""
+    claim = _override_of(override)
+    container = _block_container(model)
+    fused = _fused_experts(model, container)
+    owners = {f"{path}.{n}" if path else n: module for path, module in model.named_modules()
+              for n, _ in module.named_parameters(recurse=False)}
+    named = list(model.named_parameters())
+    in_blocks = [i for i, (name, _) in enumerate(named)
+                 if container is not None and name.startswith(f"{container}.")]
+    first, last = (in_blocks[0], in_blocks[-1]) if in_blocks else (len(named), -1)
+    assignments: list[Assignment] = []
+    for position, (name, param) in enumerate(named):
+        chosen = claim(name, param)
+        if chosen is not None:
+            located = expert_position(chosen)
+            kind: OperatorKind = "expert" if located else "other"
+            assignments.append((chosen, kind, located[0] if located else None,
+                                located[1] if located else None, Piece(name, param)))
+            continue
+        if container is not None and name.startswith(f"{container}."):
+            key, _, rest = name[len(container) + 1:].partition(".")
+            assignments += _inside_block(f"{container}.{key}", int(key), rest, param, name,
+                                         fused)
+        elif isinstance(owners.get(name), nn.Embedding) and position < first:
+            assignments.append(("embed", "embed", None, None, Piece(name, param)))
+        elif position > last and in_blocks and _is_head_layer(owners.get(name)):
+            assignments.append(("head", "head", None, None, Piece(name, param)))
+        else:
+            raise _unclaimed(name)
+    grouped: dict[str, tuple[OperatorKind, int | None, int | None, list[Piece]]] = {}
+    for operator, kind, layer, expert, piece in assignments:
+        grouped.setdefault(operator, (kind, layer, expert, []))[3].append(piece)
+    kinds = {kind for kind, _, _, _ in grouped.values()}
+    if "gate" in kinds and "expert" not in kinds:
+        warnings.warn(
+            "found routers but no experts: the expert weights sit under a name the discovery "
+            "rules do not know (a ModuleList or fused module named 'experts'), so they are "
+            "checkpointed whole with the rest of their block, not one expert at a time; "
+            "name them with SparseCheckpointing(..., operators=...)", UserWarning,
+            stacklevel=3)
+    buffers = _assign_buffers(model, container, assignments, claim, set(grouped))
+    return [Operator(name, kind, layer, expert, tuple(pieces), tuple(buffers.get(name, ())))
+            for name, (kind, layer, expert, pieces) in grouped.items()]
+
+
+def _assign_buffers(model: nn.Module, container: str | None, assignments: list[Assignment],
+                    claim: Callable[[str, nn.Parameter], str | None],
+                    operators: set[str]) -> dict[str, list[BufferRef]]:
+    """Each persistent buffer joins an operator: the override's, else inside a block the
+    operator the parameter rules give its name, else the one operator holding the
+    parameters of its module (or, for a module without any, of the nearest ancestor
+    with some). Which operator holds a buffer does not matter for exactness, only that
+    one always does."""
+    by_module: dict[str, set[str]] = {}  # module path -> operators of its subtree
+    for operator, _, _, _, piece in assignments:
+        path = piece.param_name
+        while path:
+            path = path.rpartition(".")[0]
+            by_module.setdefault(path, set()).add(operator)
+    assigned: dict[str, list[BufferRef]] = {}
+    for buffer in persistent_buffers(model):
+        chosen = claim(buffer.name, buffer.tensor)  # type: ignore[arg-type]
+        if chosen is not None and chosen not in operators:
+            raise ConfigError(
+                f"the operator override assigns buffer {buffer.name!r} to {chosen!r}, which "
+                f"holds no parameter; choose one of the operators ({len(operators)}), e.g. "
+                f"{sorted(operators)[:3]}")
+        if chosen is None and container is not None and buffer.name.startswith(f"{container}."):
+            key, _, rest = buffer.name[len(container) + 1:].partition(".")
+            chosen = _block_operator(f"{container}.{key}", rest)[0]
+        if chosen is not None and chosen not in operators:  # a block of buffers only
+            chosen = None
+        assigned.setdefault(chosen or _buffer_owner(buffer.name, by_module), []).append(buffer)
+    return assigned
+
+
+def _buffer_owner(name: str, by_module: Mapping[str, set[str]]) -> str:
+    path = name.rpartition(".")[0]
+    while not by_module.get(path) and path:
+        path = path.rpartition(".")[0]
+    owners = by_module.get(path, set())
+    if len(owners) != 1:
+        raise ConfigError(
+            f"buffer {name!r} belongs to no single operator (the parameters around it "
+            f"belong to {', '.join(sorted(owners)[:4]) if owners else 'none'}); assign it "
+            f"explicitly, e.g. SparseCheckpointing(..., operators={{{name!r}: "
+            "'my_operator'}) with an operator that holds parameters")
+    return next(iter(owners))

@@ -1,0 +1,281 @@
+"""A worker's side of the supervised job: the store, generations, heartbeat, rendezvous.
+
+Under :mod:`~lightning_moe_ckpt.failures.supervisor` every worker reaches the
+supervisor's ``TCPStore`` (``MOE_STORE``). The default process group of generation ``g``
+is formed on the store prefix ``gen<g>/`` (``torch.distributed.PrefixStore``), so the keys
+of a broken generation never mix with the next one's. A worker bumps its heartbeat
+counter at every iteration (and, while it recovers, from a helper thread, since a
+recovery may legitimately wait for a replacement to start).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore, distributed_c10d
+
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.failures.supervisor import (
+    ENV_GENERATION,
+    ENV_REPLACES,
+    ENV_SPARE,
+    ENV_STORE,
+    EXIT_SUPERVISOR_LOST,
+    EXIT_UNRECOVERABLE,
+    FINISHED_KEY,
+    TIMEOUT_KEY,
+    finished_key,
+    heartbeat_key,
+)
+from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
+
+log = logging.getLogger("lightning_moe_ckpt")
+
+_BUSY_BEAT_S = 0.5
+_WATCH_S = 0.1  # how often the heartbeat thread publishes progress and reads the generation
+_ARRIVAL_POLL_S = 0.05
+
+
+def _client(address: str, timeout: timedelta) -> TCPStore:
+    host, port = address.rsplit(":", 1)
+    return TCPStore(host, int(port), is_master=False, timeout=timeout)
+
+
+def supervised() -> bool:
+    """Whether this process is a worker of a supervised job."""
+    return ENV_STORE in os.environ
+
+
+def await_assignment() -> bool:
+    """In a warm spare: wait until the supervisor hands this process a failed rank and take
+    its identity (the environment a replacement would have been started with); ``False``
+    when the job ended without needing it. Elsewhere: ``True`` at once."""
+    index = os.environ.pop(ENV_SPARE, None)
+    if index is None:
+        return True
+    store = _client(os.environ[ENV_STORE], timedelta(days=1))  # a spare may idle long
+    assignment = json.loads(store.get(f"spare/{index}"))  # blocks until the key is set
+    if assignment is None:
+        return False
+    generation = str(assignment["generation"])
+    os.environ.update({"RANK": str(assignment["rank"]), "LOCAL_RANK": str(assignment["rank"]),
+                       ENV_GENERATION: generation, ENV_REPLACES: generation})
+    return True
+
+
+_THIS_PROCESS: dict[str, JobStore] = {}  # this process's handle, by store address
+
+
+@contextmanager
+def exit_on_error() -> Iterator[None]:
+    """Turn an exception escaping a worker into an immediate exit after its traceback:
+    code 1, or ``EXIT_UNRECOVERABLE`` when nothing is left to recover from (the supervisor
+    then stops the job instead of replacing the worker).
+
+    A worker that raised still holds process groups whose peers are alive and a heartbeat
+    thread; tearing those down in interpreter finalization can abort the process (SIGABRT,
+    exit -6), which would hide the real cause from the supervisor and the user. The worker
+    holds nothing that must be saved (its peers keep the state), so it leaves at once.
+    """
+    try:
+        yield
+    except BaseException as error:  # every escape ends the worker the same way
+        if isinstance(error, SystemExit) and error.code in (0, None):
+            raise
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_UNRECOVERABLE if isinstance(error, NoUsableCheckpointError) else 1)
+
+
+@dataclass
+class JobStore:
+    """This worker's handle on the supervised job."""
+
+    store: TCPStore
+    address: str
+    rank: int
+    world_size: int
+    generation: int  # the generation this process's process groups belong to
+    replaces: int | None  # the generation a replacement joins (None: an original worker)
+    timeout: timedelta  # store operations and the rendezvous of a new generation
+    collective_timeout: timedelta  # a collective stuck on a dead peer errors after this
+    _arrived_at: set[int] = field(default_factory=set)  # generations this process joined
+    _iterations: int = 0  # iterations begun (bumped by the training thread)
+    _newest_seen: int = 0  # the newest generation the heartbeat thread saw
+    _watcher: threading.Thread | None = None
+    _stop_watch: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def from_env(cls, timeout_s: float = 60.0) -> JobStore | None:
+        """The job store when this process runs under the supervisor, else ``None``.
+
+        ``timeout_s`` is ``recovery.timeout_s``, the supervisor's hang timeout. Collectives
+        give up after a third of it, so a survivor blocked on a dead peer notices (and
+        keeps its heartbeat while it recovers) well before it could be taken for hung; a
+        new generation's rendezvous waits three times as long, for a replacement to start.
+        """
+        address = os.environ.get(ENV_STORE)
+        if address is None:
+            return None
+        # One handle per process: the strategy forms the groups, the training loop
+        # recovers, and both must see the generation this process is in.
+        job = _THIS_PROCESS.get(address)
+        if job is None:
+            replaces = os.environ.get(ENV_REPLACES)
+            timeout = timedelta(seconds=3 * timeout_s)
+            store = _client(address, timeout)
+            supervisor_s = float(store.get(TIMEOUT_KEY))
+            if supervisor_s != float(timeout_s):
+                raise ConfigError(
+                    f"recovery_timeout_s={timeout_s} (recovery.timeout_s) differs from the "
+                    f"supervisor's hang timeout {supervisor_s} s (--timeout-s): collectives "
+                    "must give up on a dead peer well before the supervisor takes a "
+                    "recovering worker for hung; use the same value for both")
+            job = cls(store, address, int(os.environ["RANK"]),
+                      int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")),
+                      None if replaces is None else int(replaces), timeout,
+                      timedelta(seconds=timeout_s / 3))
+            _THIS_PROCESS[address] = job
+        return job
+
+    def current_generation(self) -> int:
+        """The newest generation the supervisor opened."""
+        return int(self.store.get("generation"))
+
+    def failed_ranks(self, generation: int) -> tuple[int, ...]:
+        """The ranks whose failure opened ``generation``."""
+        return tuple(json.loads(self.store.get(f"failed/{generation}")))
+
+    def heartbeat(self) -> None:
+        """Progress: this worker is about to run another iteration.
+
+        The training thread only bumps a counter; a helper thread publishes it to the
+        store (the supervisor's hang detection reads it there) and watches for a newer
+        generation, so an iteration costs no store round trip. A hung training thread
+        stops the counter, and the helper then publishes nothing."""
+        self._iterations += 1
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="job-heartbeat",
+                                             daemon=True)
+            self._watcher.start()
+
+    def newer_generation_seen(self) -> bool:
+        """Whether the heartbeat thread saw the supervisor open a newer generation than
+        this process's (cheap: no store access on the caller's thread)."""
+        return self._newest_seen > self.generation
+
+    def _watch(self) -> None:
+        try:
+            store = _client(self.address, self.timeout)  # its own connection: thread-safe
+            key = heartbeat_key(self.rank, os.getpid())
+            published = 0
+            while not self._stop_watch.wait(_WATCH_S):
+                done = self._iterations  # an int written by the training thread
+                if done != published:
+                    store.add(key, done - published)
+                    published = done
+                self._newest_seen = int(store.get("generation"))
+        except (RuntimeError, OSError) as error:  # torch's store errors are RuntimeErrors
+            if self._stop_watch.is_set():
+                return  # training is over: the supervisor may be gone by now
+            # The store lives in the supervisor: it is gone, so no failure could be
+            # recovered and nobody would collect this worker's results. An orphan
+            # training on for hours helps no one.
+            log.error("rank %d (pid %d): lost the supervisor's store (%s); this worker "
+                      "stops", self.rank, os.getpid(), error)
+            logging.shutdown()  # flush before the hard exit
+            os._exit(EXIT_SUPERVISOR_LOST)
+
+    def training_finished(self) -> None:
+        """This worker's training loop ended: the supervisor times the job's training
+        and no longer expects its heartbeat."""
+        self.store.set(finished_key(self.rank, os.getpid()), "1")
+        self.store.add(FINISHED_KEY, 1)
+
+    def stop_heartbeat(self) -> None:
+        """Training is over: stop the heartbeat thread (before the interpreter exits, so
+        no store call is cut off mid-way)."""
+        self._stop_watch.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
+
+    def join(self, generation: int, backend: str) -> None:
+        """Form the default process group of ``generation`` or of a newer one (collective
+        over the world).
+
+        Everyone first arrives on the store (waiting as long as a replacement may take to
+        start); a rank still waiting when another failure opens a newer generation moves
+        on to that one, so failures that follow each other end in one rendezvous. The
+        groups are then formed with the short collective timeout, which also bounds a
+        point-to-point receive from a peer that died (gloo takes it from the group's
+        creation), so every group built in this process gets it."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self._all_arrived(generation):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: not every rank joined generation "
+                                   f"{generation} within {self.timeout.total_seconds():.0f} s")
+            generation = max(generation, self.current_generation())
+        distributed_c10d.default_pg_timeout = self.collective_timeout  # new_group's default
+        dist.init_process_group(backend, store=PrefixStore(f"gen{generation}/", self.store),
+                                rank=self.rank, world_size=self.world_size,
+                                timeout=self.collective_timeout)
+        self.generation = generation
+
+    def _all_arrived(self, generation: int) -> bool:
+        """Arrive at ``generation`` (once) and wait a moment for the others; whether all
+        ``world_size`` ranks are there."""
+        arrived = f"gen{generation}/arrived"
+        if generation not in self._arrived_at:
+            self._arrived_at.add(generation)
+            self.store.add(arrived, 1)
+        for _ in range(20):
+            if int(self.store.add(arrived, 0)) >= self.world_size:
+                return True
+            time.sleep(_ARRIVAL_POLL_S)
+        return False
+
+    def await_new_generation(self) -> bool:
+        """Wait (heartbeat kept) for the supervisor to open a generation newer than this
+        process's; ``False`` when none opened within the rendezvous timeout."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        with self.busy():
+            while self.current_generation() == self.generation:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(_ARRIVAL_POLL_S)
+        return True
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Keep the heartbeat going while this worker recovers (it may wait long)."""
+        stop = threading.Event()
+        store = _client(self.address, self.timeout)  # its own connection: thread-safe
+
+        key = heartbeat_key(self.rank, os.getpid())
+
+        def beat() -> None:
+            while not stop.wait(_BUSY_BEAT_S):
+                store.add(key, 1)
+
+        thread = threading.Thread(target=beat, name="recovery-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()

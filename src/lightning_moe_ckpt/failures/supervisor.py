@@ -1,0 +1,339 @@
+"""The supervisor: hosts the job's store, starts the workers and replaces the ones that fail.
+
+A real failure takes a worker process down (killed, exited, raised) or stalls it (hung).
+The supervisor is the one process no worker failure can take down: it hosts the
+``TCPStore`` the workers rendezvous on and watches every worker:
+
+* a worker that **exits** with a non-zero code failed;
+* a worker whose **heartbeat** (a counter in the store it bumps every iteration) has not
+  moved for ``timeout_s`` is hung: the supervisor kills it by its pid, and it failed.
+
+For a failure it opens a new **generation** of the job: it publishes the failed ranks
+under ``failed/<g>`` and then ``generation = g``, and starts a replacement process with
+the failed rank's identity (rank, stage, expert shard, data shard follow from the rank)
+and ``MOE_REPLACES=<g>`` in its environment, or, with ``spares`` > 0, hands that identity
+to a **warm spare**: a process started with the job (``MOE_SPARE=<i>``) that has its
+imports and configuration done and waits on the store key ``spare/<i>`` for a rank.
+With ``fork_workers`` every one of these processes is forked from a fork server that has
+torch, Lightning and ``preload`` imported
+(:mod:`~lightning_moe_ckpt.failures.forked_workers`), so a replacement does not import them
+again while the survivors wait.
+The survivors see the new generation (a collective error, or the generation key at their
+next iteration), re-form their process groups under the store prefix ``gen<g>/`` and
+recover with the replacement; they keep their processes and their state. After
+``max_restarts`` replacements the job fails with an error naming the rank and the
+generation. The job's exit code is 0 when every worker finished training and exited
+cleanly; a worker that fails after its training loop ended is reported, not replaced
+(no generation can form without the ranks that finished), and the code is then 1.
+
+The workers live no longer than their supervisor: a SIGTERM to it (a scheduler's
+cancel) stops them by pid before it exits, and a worker that loses the supervisor's
+store (the supervisor was killed) stops itself (exit code ``EXIT_SUPERVISOR_LOST``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from lightning_moe_ckpt.failures.forked_workers import WorkerForker, WorkerProcess
+
+log = logging.getLogger("lightning_moe_ckpt")
+
+ENV_GENERATION = "MOE_GENERATION"  # the generation a worker was started in
+ENV_REPLACES = "MOE_REPLACES"  # set in a replacement: the generation it joins
+ENV_STORE = "MOE_STORE"  # host:port of the supervisor's store
+ENV_SPARE = "MOE_SPARE"  # set in a warm spare: its index (it waits for a rank)
+POLL_S = 0.05
+# A worker's exit code for "no recovery can succeed" (nothing left to recover from): the
+# supervisor stops the job instead of replacing the worker again.
+EXIT_UNRECOVERABLE = 86
+# A worker's exit code when its supervisor is gone: no failure could be recovered any
+# more and nobody would collect its results.
+EXIT_SUPERVISOR_LOST = 87
+FINISHED_KEY = "finished"  # counter: workers whose training loop ended
+
+
+TIMEOUT_KEY = "timeout_s"  # the supervisor's hang timeout, which workers must share
+
+
+def is_replacement() -> bool:
+    """Whether this process replaces a failed worker of a running job (the supervisor
+    started it with the generation it joins)."""
+    return ENV_REPLACES in os.environ
+
+
+def heartbeat_key(rank: int, pid: int) -> str:
+    """The store counter a worker process bumps (per process: a replacement starts anew)."""
+    return f"hb/{rank}/{pid}"
+
+
+def finished_key(rank: int, pid: int) -> str:
+    """Set by a worker process whose training loop ended: its heartbeat stops for good."""
+    return f"finished/{rank}/{pid}"
+
+
+@dataclass
+class Replacement:
+    """One failure and what replaced it."""
+
+    rank: int
+    generation: int
+    dead_pid: int
+    new_pid: int
+    cause: str  # "exit <code>", "hang", ...
+    detected_s: float  # since the job started
+    warm_spare: bool = False  # a spare started with the job took the rank
+
+
+@dataclass
+class Supervisor:
+    """Starts ``world_size`` workers running ``command`` and keeps the job whole."""
+
+    command: Sequence[str]
+    world_size: int
+    timeout_s: float = 60.0
+    max_restarts: int = 3
+    spares: int = 0  # warm spare processes started with the job
+    env: dict[str, str] = field(default_factory=dict)
+    # Where the live view goes (store address, supervisor and worker pids), rewritten
+    # whenever a process changes: for operators and tests that act on a worker by pid.
+    status_path: Path | None = None
+    # Fork the workers, replacements and spares with torch, Lightning and ``preload``
+    # imported once (recovery.forked_workers) instead of starting fresh interpreters.
+    fork_workers: bool = False
+    # What the fork server imports besides torch and Lightning (modules safe to import:
+    # the script's own imports, never a module that runs the job when imported).
+    preload: Sequence[str] = ()
+    replacements: list[Replacement] = field(default_factory=list)
+    pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
+    spare_pids: list[int] = field(default_factory=list)  # the warm spares started
+    # Since the job started: when every rank began its first iteration; and from then to
+    # the end of every rank's training loop (recoveries and replacements included; start-up
+    # and writing the results not).
+    training_started_s: float | None = None
+    training_s: float | None = None
+    _forker: WorkerForker | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # A command a forked worker cannot run is refused here, before anything starts.
+        self._forker = WorkerForker(self.command, self.preload) if self.fork_workers else None
+
+    def run(self) -> int:
+        """Supervise until every worker finished (0) or the job cannot go on (1). A
+        SIGTERM stops the workers and exits with ``128 + SIGTERM``."""
+        if threading.current_thread() is not threading.main_thread():
+            return self._supervise()  # signal handlers belong to the main thread
+        previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+        try:
+            return self._supervise()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _supervise(self) -> int:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=max(30.0, self.timeout_s)))
+        store.set("generation", "0")
+        store.set(TIMEOUT_KEY, repr(float(self.timeout_s)))
+        self.started = time.monotonic()
+        base = {**os.environ, **self.env, ENV_STORE: f"127.0.0.1:{store.port}",
+                "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(self.world_size),
+                "NODE_RANK": "0"}
+        workers: dict[int, WorkerProcess] = {}
+        idle: list[tuple[int, WorkerProcess]] = []
+        done: set[int] = set()
+        after_training: dict[int, str] = {}  # ranks that failed once their training ended
+        generation = 0
+        try:  # from the first start on: a start that fails stops those already started
+            for rank in range(self.world_size):
+                workers[rank] = self._start(base, rank, 0, None)
+            self.pids = {rank: [process.pid] for rank, process in workers.items()}
+            for index in range(self.spares):
+                idle.append((index, self._launch({**base, ENV_SPARE: str(index)})))
+            self.spare_pids = [process.pid for _, process in idle]
+            self._publish(store, workers, idle)
+            beats = {rank: (-1, time.monotonic()) for rank in workers}
+            while len(done) < self.world_size:
+                time.sleep(POLL_S)
+                if self.training_started_s is None and all(b[0] > 0 for b in beats.values()):
+                    self.training_started_s = time.monotonic() - self.started
+                if (self.training_s is None and self.training_started_s is not None
+                        and int(store.add(FINISHED_KEY, 0)) >= self.world_size):
+                    self.training_s = (time.monotonic() - self.started
+                                       - self.training_started_s)
+                failed: dict[int, str] = {}
+                for rank, process in workers.items():
+                    if rank in done:
+                        continue
+                    code = process.poll()
+                    if code == 0:
+                        done.add(rank)
+                    elif code is not None and self._training_finished(store, rank, process.pid):
+                        # No generation can form without the ranks that finished, and
+                        # there is nothing left to train: the failure is reported, not
+                        # replaced (see _after_training).
+                        done.add(rank)
+                        after_training[rank] = f"exit {code}"
+                        log.warning("supervisor: rank %d (pid %d) failed after its training "
+                                    "loop ended: exit %s; not replaced", rank, process.pid,
+                                    code)
+                    elif code is not None:
+                        failed[rank] = f"exit {code}"
+                    elif self._hung(store, rank, process.pid, beats):
+                        process.kill()  # a hang becomes a death (SIGKILL, by its pid)
+                        process.wait()
+                        failed[rank] = "hang"
+                if not failed:
+                    continue
+                hopeless = sorted(r for r, why in failed.items()
+                                  if why == f"exit {EXIT_UNRECOVERABLE}")
+                if hopeless:
+                    self._stop(_every_process(workers, idle))
+                    log.error("supervisor: rank(s) %s found nothing to recover from (their "
+                              "error is above); the job stops", hopeless)
+                    return 1
+                if len(self.replacements) + len(failed) > self.max_restarts:
+                    self._stop(_every_process(workers, idle))
+                    ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
+                    log.error("supervisor: %s failed after %d replacements "
+                              "(recovery.max_restarts=%d); the job stops", ranks,
+                              len(self.replacements), self.max_restarts)
+                    return 1
+                generation += 1
+                for rank, cause in sorted(failed.items()):
+                    log.warning("supervisor: rank %d (pid %d) failed: %s; opening generation "
+                                "%d", rank, workers[rank].pid, cause, generation)
+                store.set(f"failed/{generation}", json.dumps(sorted(failed)))
+                store.set("generation", str(generation))
+                idle = [(index, process) for index, process in idle if process.poll() is None]
+                for rank, cause in sorted(failed.items()):
+                    dead = workers[rank].pid
+                    warm = bool(idle)
+                    if warm:  # the rank's identity goes to a spare that is up already
+                        index, workers[rank] = idle.pop(0)
+                        store.set(f"spare/{index}", json.dumps(
+                            {"rank": rank, "generation": generation}))
+                    else:
+                        workers[rank] = self._start(base, rank, generation, generation)
+                    self.pids[rank].append(workers[rank].pid)
+                    beats[rank] = (-1, time.monotonic())
+                    self.replacements.append(Replacement(
+                        rank, generation, dead, workers[rank].pid, cause,
+                        time.monotonic() - self.started, warm))
+                self._publish(store, workers, idle)
+                store.set(f"replacements/{generation}",
+                          json.dumps([vars(r) for r in self.replacements
+                                      if r.generation == generation]))
+        except BaseException:
+            self._stop(_every_process(workers, idle))
+            raise
+        if self.training_s is None:  # they finished between two polls
+            self.training_s = time.monotonic() - self.started - (self.training_started_s or 0.0)
+        for index, _ in idle:  # training is over: the unused spares leave
+            store.set(f"spare/{index}", json.dumps(None))
+        self._stop(_every_process({}, idle), grace_s=self.timeout_s)
+        return self._after_training(after_training)
+
+    @staticmethod
+    def _training_finished(store: TCPStore, rank: int, pid: int) -> bool:
+        """Whether process ``pid`` of ``rank`` reported the end of its training loop."""
+        return store.check([finished_key(rank, pid)])
+
+    @staticmethod
+    def _after_training(failed: dict[int, str]) -> int:
+        """The job's exit code once every worker ended: 1 when some failed after their
+        training loop ended (while writing results, or at interpreter exit), else 0."""
+        if not failed:
+            return 0
+        ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
+        log.error("supervisor: %s failed after training ended, so the results they write "
+                  "may be missing; a worker that leaves with process groups alive can abort "
+                  "at interpreter exit: end the training script with "
+                  "torch.distributed.destroy_process_group()", ranks)
+        return 1
+
+    def _start(self, base: dict[str, str], rank: int, generation: int,
+               replaces: int | None) -> WorkerProcess:
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank),
+               ENV_GENERATION: str(generation)}
+        if replaces is not None:
+            env[ENV_REPLACES] = str(replaces)
+        return self._launch(env)
+
+    def _launch(self, env: dict[str, str]) -> WorkerProcess:
+        """A process running the command with ``env``: forked or a fresh interpreter."""
+        if self._forker is not None:
+            return self._forker.start(env)
+        return subprocess.Popen(list(self.command), env=env)
+
+    def _hung(self, store: TCPStore, rank: int, pid: int,
+              beats: dict[int, tuple[int, float]]) -> bool:
+        if self._training_finished(store, rank, pid):
+            return False  # its training is over: no more beats are due
+        count = int(store.add(heartbeat_key(rank, pid), 0))
+        last, since = beats[rank]
+        now = time.monotonic()
+        if count != last:
+            beats[rank] = (count, now)
+            return False
+        # Before its first beat a worker is still starting (imports, data): not hung yet.
+        return count > 0 and now - since > self.timeout_s
+
+    def _publish(self, store: TCPStore, workers: dict[int, WorkerProcess],
+                 idle: list[tuple[int, WorkerProcess]]) -> None:
+        if self.status_path is None:
+            return
+        status = {"store": f"127.0.0.1:{store.port}", "supervisor": os.getpid(),
+                  "ranks": {str(rank): process.pid for rank, process in workers.items()},
+                  "idle_spares": [process.pid for _, process in idle],
+                  "replacements": report_of(self.replacements),
+                  "worker_pids": {str(rank): pids for rank, pids in self.pids.items()}}
+        partial = self.status_path.with_suffix(".tmp")
+        partial.write_text(json.dumps(status))
+        partial.replace(self.status_path)  # readers never see half a file
+
+    @staticmethod
+    def _stop(workers: dict[int, WorkerProcess], grace_s: float = 0.0) -> None:
+        """End ``workers`` (by pid), giving them ``grace_s`` to exit on their own. Every
+        one is killed before any is waited for, even when watching them fails (a lost
+        fork server): nothing is left running."""
+        deadline = time.monotonic() + grace_s
+        try:
+            while (time.monotonic() < deadline
+                   and any(p.poll() is None for p in workers.values())):
+                time.sleep(POLL_S)
+        finally:
+            for process in workers.values():
+                process.kill()  # does nothing to one that has ended
+            for process in workers.values():
+                process.wait()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM ends the supervisor as Ctrl-C would: through its clean-up, which stops the
+    workers by pid (Python's default would leave them running, orphaned)."""
+    raise SystemExit(128 + signum)
+
+
+def _every_process(workers: dict[int, WorkerProcess],
+                   idle: list[tuple[int, WorkerProcess]]
+                   ) -> dict[int, WorkerProcess]:
+    """The workers by rank and the idle spares (under negative keys), to stop them all."""
+    return {**workers, **{-1 - index: process for index, process in idle}}
+
+
+def report_of(replacements: Sequence[Replacement]) -> list[dict[str, Any]]:
+    """JSON-ready replacements (for ``metrics.json``)."""
+    return [vars(r) for r in replacements]

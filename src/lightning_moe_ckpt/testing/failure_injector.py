@@ -1,0 +1,288 @@
+"""``FailureInjector``: fail ranks at scheduled steps and recover, for tests and benchmarks.
+
+Before iteration ``t`` runs, the injector asks its schedule (``at``, ``mtbf`` or ``trace``,
+see :mod:`lightning_moe_ckpt.testing.faults`) for failures at ``t``. Every rank knows the
+schedule, so all of them enter recovery together: the failed ranks' state is destroyed as a
+dead worker's would be (weights garbage, master weights and optimizer state gone, host
+snapshots, logs and held replicas dropped). With upstream logging and one stage per
+pipeline rank only the failed stages roll back, replaying from their neighbours' logs while
+the other ranks pause (localized rollback); otherwise every rank rolls back to the common
+persisted window (global rollback); a single process recovers from its own host store.
+The baseline policies recover their own way (:mod:`~lightning_moe_ckpt.recovery.baselines`):
+``gemini`` and ``checkfreq`` roll every rank back to their last dense checkpoint, ``moc``
+and ``moetion`` restore their partial state (stale experts) and report the lost tokens.
+The injector is one client of :func:`~lightning_moe_ckpt.recovery.api.recover`: it
+destroys what the failed ranks lose, then every rank enters the same recovery a real
+failure detector would. Iteration ``t`` then runs as if nothing happened. The injector
+counts what it fired and records a report per recovery (window, iterations replayed,
+ranks, phase timings).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch.distributed as dist
+from typing_extensions import override
+
+from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
+from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.failures.supervisor import is_replacement
+from lightning_moe_ckpt.recovery.api import DurableFallback, RecoveryRequest, recover
+from lightning_moe_ckpt.recovery.baselines import is_baseline
+from lightning_moe_ckpt.recovery.sparse_to_dense import Cascade, RecoveryReport
+from lightning_moe_ckpt.testing.faults import (
+    FailureCounter,
+    FailureEvent,
+    FaultSchedule,
+    check_reachable,
+    destroy_rank_state,
+)
+
+# Recovery phases in the order they happen ("convert_load": loading the window's first
+# snapshot; "convert": replaying the window with frozen operators).
+PHASE_ORDER = ("detect", "fetch", "convert_load", "convert", "replay", "resume", "total")
+
+
+class InjectedFailure(Exception):
+    """``kind: exception``: the training step of the failing rank raises this."""
+
+
+def fail_for_real(event: FailureEvent) -> None:
+    """Do to this process what a real failure of ``event.kind`` does."""
+    if event.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif event.kind == "exit":
+        os._exit(1)
+    elif event.kind == "exception":
+        raise InjectedFailure(f"injected exception on rank {event.rank} at step {event.step}")
+    elif event.kind == "hang":
+        while True:  # no progress, no heartbeat: the supervisor kills it after its timeout
+            time.sleep(3600)
+
+
+class FailureInjector(L.Callback, StepHooks):
+    """Injects the failures of ``schedule`` and recovers through ``checkpointing``."""
+
+    def __init__(self, schedule: FaultSchedule, checkpointing: SparseCheckpointing) -> None:
+        if not isinstance(checkpointing, SparseCheckpointing):
+            raise TypeError("FailureInjector recovers through the SparseCheckpointing callback "
+                            f"it is given, not {checkpointing!r}")
+        self.schedule = schedule
+        self.checkpointing = checkpointing
+        self.counter = FailureCounter()
+        self.recoveries: list[dict[str, Any]] = []
+        self.target: TrainingTarget | None = None
+        self.rank, self.world_size = 0, 1
+        self.trainer: L.Trainer | None = None  # loads durable checkpoints when set
+        # Real faults fire from this step on (a replacement joins after its rank's fault;
+        # None while it does not know yet where it joins: none fires).
+        self.real_from: int | None = 0
+        # Scheduled failures before the step a resumed run starts at (they never fire).
+        self.failures_before_resume = 0
+
+    def attach(self, target: TrainingTarget, rank: int = 0, world_size: int = 1) -> None:
+        """Start injecting into ``target`` (attach ``checkpointing`` first)."""
+        if self.checkpointing.coordinator is None:
+            raise RuntimeError("attach SparseCheckpointing before FailureInjector")
+        if self.target is target:
+            return
+        self.target = target
+        self.rank, self.world_size = rank, world_size
+        # Ahead of the checkpoint's own hook: a real fault in phase "snapshot_copy" strikes
+        # between the optimizer step and the snapshot of it.
+        target.hooks.insert(target.hooks.index(self.checkpointing.coordinator), self)
+        handler = self.checkpointing.peer_failures
+        if handler is not None:  # real failures of peers are recovered on this rank
+            handler.recovery_started = self.fail_during_recovery
+            if handler.job.replaces is not None:  # this rank's own fault is behind it
+                self.real_from = target.step + 1
+        replicator = self.checkpointing.coordinator.replicator
+        if replicator is not None:  # real faults in phase "replication" strike from there
+            replicator.before_payload = self._fail_while_replicating
+
+    @override
+    def before_iteration(self, step: int) -> None:
+        coordinator = self.checkpointing.coordinator
+        assert coordinator is not None  # attach() checked it
+        # A failure during the copy (or replication) of SS_step strikes while iteration
+        # step + 1 runs: that copy never completes on the failed rank.
+        if any(event.rank == self.rank and event.phase in ("snapshot_copy", "replication")
+               for event in self.schedule.events_at(step + 1)):
+            coordinator.snapshots.interrupt_copy(step)
+        events = self.schedule.events_at(step)
+        for event in events:
+            if (event.real and event.rank == self.rank and self._real_at(step)
+                    and event.phase not in ("replication", "recovery")
+                    and not (event.phase == "snapshot_copy" and step > 0)):
+                self.counter.record(event)
+                fail_for_real(event)
+        events = [event for event in events if not event.real]  # nobody else reads those
+        if not events:
+            return
+        detected = time.perf_counter()
+        # Failures in phase "recovery" strike while the recovery from the others runs
+        # (alone at a step, they are ordinary failures).
+        first = [e for e in events if e.phase != "recovery"]
+        cascading = [e for e in events if e.phase == "recovery"] if first else []
+        failed = sorted({event.rank for event in first or events})
+        for event in events:
+            self.counter.record(event)
+        # Copies already issued complete first: a dead worker's in-flight copy never
+        # finishes with post-failure data (destroying the weights under a running copy
+        # would put garbage into a snapshot).
+        coordinator.snapshots.wait_copies()
+        coordinator.snapshots.interrupted_steps.clear()  # the interrupted copy is done
+        if self.rank in failed:
+            self._destroy()
+        cascade = None
+        if cascading:
+            ranks = tuple(sorted({e.rank for e in cascading}))
+            cascade = Cascade(ranks, self._fail_if_among(ranks))
+            if self.world_size == 1 or is_baseline(coordinator.planner):
+                # One process, or a baseline that restarts everyone from its checkpoint:
+                # the later failure only adds to what is lost before the recovery.
+                cascade.fail()
+                failed = sorted(set(failed) | set(cascade.ranks))
+                cascade = None
+        recovering = time.perf_counter()  # failure handled, state lost: recovery begins
+        outcome = recover(RecoveryRequest(step, tuple(failed), cascade), coordinator,
+                          self.checkpointing.upstream_log,
+                          DurableFallback(self.trainer, tuple(self.checkpointing.durable.saved)))
+        summary = self._agree_on_summary(outcome.report)
+        timings = {"detect": recovering - detected, **summary["timings_s"],
+                   "total": time.perf_counter() - detected}
+        order = [*PHASE_ORDER[:-1], *sorted(set(timings) - set(PHASE_ORDER)), "total"]
+        summary["timings_s"] = {phase: timings[phase] for phase in order if phase in timings}
+        self.recoveries.append({
+            "failed_step": step, "failed_ranks": sorted({e.rank for e in events}),
+            "cascading_ranks": [] if cascade is None else list(cascade.ranks),
+            "recovery_rounds": summary["rounds"],
+            "failed_phases": sorted({event.phase for event in events}),
+            "window_start": summary["window_start"], "window": summary["window"],
+            "iterations_replayed": summary["replayed"],
+            "ranks_rolled_back": outcome.rolled_back, "lost_tokens": summary["lost_tokens"],
+            "lost_token_portion": summary["lost_token_portion"],
+            "stale_experts": summary["stale_experts"],
+            "timings_s": summary["timings_s"],
+        })
+
+    @override
+    def after_optimizer_step(self, step: int, result: StepResult) -> None:
+        """A real fault in phase ``snapshot_copy`` at step ``s`` strikes right after
+        optimizer step ``s - 1``, before SS_(s-1) is taken (the copy a simulated one
+        interrupts): the peers may be inside the checkpoint's own collectives then."""
+        for event in self.schedule.events_at(step + 1):
+            if (event.real and event.rank == self.rank and event.phase == "snapshot_copy"
+                    and self._real_at(step + 1)):
+                self.counter.record(event)
+                fail_for_real(event)
+
+    def fail_during_recovery(self, failed_step: int) -> None:
+        """A real fault in phase ``recovery`` at step ``s`` strikes while this rank (a
+        survivor) recovers from another failure at ``s``, before its state is touched."""
+        for event in self.schedule.events_at(failed_step):
+            if event.real and event.rank == self.rank and event.phase == "recovery":
+                self.counter.record(event)
+                fail_for_real(event)
+
+    def _fail_while_replicating(self, snapshot_step: int) -> None:
+        """A real fault in phase ``replication`` at step ``s`` strikes while SS_(s-1) is
+        sent to the peers (as a simulated one, it strikes while iteration s runs)."""
+        for event in self.schedule.events_at(snapshot_step + 1):
+            if (event.real and event.rank == self.rank and event.phase == "replication"
+                    and self._real_at(snapshot_step + 1)):
+                self.counter.record(event)
+                fail_for_real(event)
+
+    def _note_resumed_past(self, start_step: int) -> None:
+        """A run resumed at ``start_step`` (``ckpt_path``) continues its schedule there:
+        the failures before it belonged to the run that wrote the checkpoint. They are
+        counted in the metrics and named in a warning, so a resumed test whose failures
+        all lie behind it does not pass for one that recovered."""
+        past = [event for event in self.schedule.events if event.step < start_step]
+        self.failures_before_resume = len(past)
+        if past and self.rank == 0:
+            warnings.warn(f"FailureInjector: training resumes at step {start_step}, so "
+                          f"{len(past)} scheduled failure(s) before it (the first at step "
+                          f"{past[0].step}) do not fire in this run; the failures from step "
+                          f"{start_step} on do", stacklevel=2)
+
+    def _real_at(self, step: int) -> bool:
+        """Whether this rank's real faults at ``step`` may still fire."""
+        return self.real_from is not None and step >= self.real_from
+
+    def _destroy(self) -> None:
+        """What this rank's worker loses when it fails."""
+        assert self.target is not None
+        log = self.checkpointing.upstream_log
+        destroy_rank_state(self.target.model, self.target.optimizer,
+                           [log.drop] if log is not None else [])
+
+    def _fail_if_among(self, ranks: tuple[int, ...]) -> Callable[[], None]:
+        def fail() -> None:
+            if self.rank in ranks:
+                self._destroy()
+        return fail
+
+    def _agree_on_summary(self, report: RecoveryReport | None) -> dict[str, Any]:
+        """Paused ranks have no report of their own: take one from a scope rank."""
+        mine = None if report is None else {
+            "window_start": report.window_start, "window": report.window,
+            "replayed": report.replayed, "rounds": report.rounds,
+            "timings_s": dict(report.phases_s), "lost_tokens": report.lost_tokens,
+            "lost_token_portion": report.lost_token_portion,
+            "stale_experts": list(report.stale_experts)}
+        if self.world_size == 1:
+            assert mine is not None
+            return mine
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        return next(s for s in everyone if s is not None)
+
+    def metrics(self) -> dict[str, Any]:
+        """Failure and recovery figures for ``metrics.json``."""
+        return {"failures_injected": self.counter.total, "failures": self.counter.as_dict(),
+                "failures_before_resume": self.failures_before_resume,
+                "recoveries": self.recoveries,
+                "iterations_replayed": sum(r["iterations_replayed"] for r in self.recoveries),
+                "lost_tokens": sum(r["lost_tokens"] for r in self.recoveries)}
+
+    def report(self) -> str:
+        """A short human-readable report."""
+        lines = [f"failures injected: {self.counter.total}"]
+        for r in self.recoveries:
+            timing = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["timings_s"].items())
+            if r["cascading_ranks"]:
+                timing += (f"; ranks {r['cascading_ranks']} failed during the recovery, "
+                           f"{r['recovery_rounds']} rounds")
+            lines.append(
+                f"  step {r['failed_step']}: ranks {r['failed_ranks']} failed; rolled back "
+                f"{len(r['ranks_rolled_back'])} ranks to window {r['window_start']} "
+                f"(W={r['window']}), replayed {r['iterations_replayed']} iterations, lost "
+                f"tokens {r['lost_tokens']}; {timing}")
+        return "\n".join(lines)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.trainer = trainer
+        # Trainer.callbacks is set by Lightning's callback connector (untyped there).
+        if self.checkpointing not in trainer.callbacks:  # type: ignore[attr-defined]
+            raise ConfigError("FailureInjector's SparseCheckpointing is not among the Trainer's "
+                              "callbacks: add it too (callbacks=[checkpointing, injector])")
+        if self.checkpointing.target is None:  # callbacks listed in the other order
+            self.checkpointing.on_train_start(trainer, pl_module)
+        assert self.checkpointing.target is not None
+        check_reachable(self.schedule, world_size=trainer.world_size,
+                        max_steps=trainer.max_steps if trainer.max_steps >= 0 else None,
+                        where="FailureInjector")
+        if not is_replacement():  # a replacement's earlier failures were its job's
+            self._note_resumed_past(trainer.global_step)
+        self.attach(self.checkpointing.target, trainer.global_rank, trainer.world_size)
