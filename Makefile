@@ -9,14 +9,14 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: venv run test lint pytest clean
+.PHONY: venv run test lint docs pytest clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test,docs]"
 	touch $(STAMP)
 
 run: venv
@@ -26,10 +26,15 @@ lint: venv
 	$(BIN)/ruff check src tests recipes
 	$(BIN)/mypy
 
+# The documentation site, built strict (any warning fails); the site lands in build/site.
+# NO_MKDOCS_2_WARNING silences mkdocs-material's banner about its end of life (not a warning).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
+
 pytest: venv
 	$(BIN)/python -m pytest -q $(ARGS)
 
-test: lint pytest
+test: lint docs pytest
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .mypy_cache .ruff_cache

@@ -19,7 +19,7 @@ from lightning_moe_ckpt.training.iteration import (
     language_model_loss,
     train_iteration,
 )
-from moe_recipes.settings import OptimSettings
+from lightning_moe_ckpt.training.settings import OptimSettings
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 FROZEN = ["layers.1.moe.experts.3", "layers.1.moe.experts.5", "layers.2.attn",

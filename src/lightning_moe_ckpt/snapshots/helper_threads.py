@@ -9,8 +9,8 @@ adds it, at most 19), a helper takes more of the time a core would otherwise idl
 pipeline bubble, a rank waiting on a collective. Its work is the same; the training
 threads are interrupted less. Under pp2 x ep2 on two shared cores this took the paired
 with/without-snapshot ratio of direct runs from 1.023-1.027 to 1.005-1.015, and the bench's
-from 1.033 to 1.026 (docs/measurements.md). On a machine with a core to spare for each
-helper it changes nothing.
+from 1.033 to 1.026 (benchmarks/overhead_pp2xep2_cpu_2026-11-29.md). On a machine with a
+core to spare for each helper it changes nothing.
 
 A lower priority cannot leave the copy behind by more than a step: the training thread
 waits for it before the next optimizer step, and sleeps meanwhile, leaving it the core
@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_moe_ckpt.errors import fmt, require
 
 # Added to the process's nice value for every helper thread: the lowest priority a nice
-# value gives (measured against 0 and 10, docs/measurements.md).
+# value gives (measured against 0 and 10, benchmarks/overhead_pp2xep2_cpu_2026-11-29.md).
 DEFAULT_HELPER_NICE = 19
 MAX_NICE = 19  # the largest nice value the kernel accepts
 _PER_THREAD = sys.platform.startswith("linux")

@@ -5,12 +5,14 @@ A recipe builds them from its own configuration (``recipes/moe_recipes/settings.
 validates the Hydra config into a subclass that adds its checkpointing, fault and
 launch settings); a Python user constructs them directly, e.g.
 ``TrainingSettings(max_steps=20)``: every field has the recipe's default, and the layout
-defaults to one process.
+defaults to one process (``TrainingSettings.for_layout(pp=2, ep=2, microbatches=4)`` for
+another).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_moe_ckpt.core.layout import ParallelPlan
 from lightning_moe_ckpt.core.precision import Precision
@@ -58,6 +60,15 @@ class TrainingSettings:
     val_every: int = 50
     val_batches: int = 4
     log_every: int = 10
+
+    @classmethod
+    def for_layout(cls, *, pp: int = 1, dp: int = 1, ep: int = 1, microbatches: int = 1,
+                   schedule: str = "1f1b", **fields: Any) -> TrainingSettings:
+        """Settings for a ``pp x dp x ep`` layout (validated against the model);
+        ``fields`` are the other fields, e.g. ``max_steps=20``."""
+        model = fields.get("model", MoEModelConfig())
+        return cls(layout=ParallelPlan.validate(pp=pp, dp=dp, ep=ep, microbatches=microbatches,
+                                                schedule=schedule, model=model), **fields)
 
     def __post_init__(self) -> None:
         if self.layout is None:
