@@ -1,95 +1,12 @@
-"""``python -m lightning_moe_ckpt.supervise``: run a training script under the supervisor.
-
-::
-
-    python -m lightning_moe_ckpt.supervise --workers 4 train.py [script arguments]
-    python -m lightning_moe_ckpt.supervise --workers 4 --spares 1 -m my_package.train ...
-
-As ``torchrun`` does on one machine, the supervisor starts one process per rank with
-``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` set, so the script's Trainer (``devices`` equal
-to the worker count) runs as an externally launched job. Unlike ``torchrun`` it hosts the
-job's store itself and replaces a worker that exits, is killed or hangs (silent for
-``--timeout-s``), while every other worker keeps running: ``SparseCheckpointing`` in the
-script recovers the replaced rank's state from its peers (see
-:mod:`~lightning_moe_ckpt.failures.supervisor` and
-:mod:`~lightning_moe_ckpt.failures.join`).
-``--timeout-s`` must equal the strategy's ``recovery_timeout_s`` (both default to 60);
-``--status`` names a JSON file with the store address and every worker's pid, rewritten
-whenever a process changes. ``--fork-workers`` forks the workers, replacements and spares
-from a fork server that imported torch and Lightning once, and the modules named with
-``--preload MODULE`` (:mod:`~lightning_moe_ckpt.failures.forked_workers`). The exit code
-is 0 once every worker finished its training and exited cleanly. End the script with
-``torch.distributed.destroy_process_group()``: a worker that leaves with process groups
-alive can abort at interpreter exit, and a worker failing after its training ended is
-reported (exit code 1), not replaced.
-"""
+"""``python -m lightning_moe_ckpt.supervise``: run a training script under the supervisor
+(:mod:`lightning_moe_ckpt.failures.cli`)."""
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
-from collections.abc import Sequence
-from pathlib import Path
 
-from lightning_moe_ckpt.failures.supervisor import Supervisor, report_of
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_moe_ckpt.supervise",
-        description="Run a training script's workers and replace those that fail.")
-    parser.add_argument("--workers", type=int, required=True,
-                        help="processes to start, one per rank (the job's world size)")
-    parser.add_argument("--spares", type=int, default=0,
-                        help="warm spare processes started with the job (default 0)")
-    parser.add_argument("--timeout-s", type=float, default=60.0,
-                        help="a worker silent this long is hung and killed; equal to the "
-                             "strategy's recovery_timeout_s (default 60)")
-    parser.add_argument("--max-restarts", type=int, default=3,
-                        help="replacements before the job gives up (default 3)")
-    parser.add_argument("--fork-workers", action="store_true",
-                        help="fork the workers, replacements and spares from a fork server "
-                             "that imported torch, Lightning and --preload once, instead of "
-                             "starting fresh interpreters (not for a script that initialises "
-                             "CUDA when imported)")
-    parser.add_argument("--preload", action="append", default=[], metavar="MODULE",
-                        help="with --fork-workers: a module the fork server imports besides "
-                             "torch and Lightning (one the script imports; repeatable)")
-    parser.add_argument("--status", type=Path, default=None,
-                        help="JSON file with the store address and every worker's pid")
-    parser.add_argument("-m", dest="module", default=None,
-                        help="run a module as a script (as python -m does)")
-    parser.add_argument("script", nargs=argparse.REMAINDER,
-                        help="the script (or, with -m, the module's arguments)")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Supervise the job ``argv`` describes; returns its exit code."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.workers < 1:
-        parser.error(f"--workers={args.workers} must be >= 1")
-    if args.spares < 0 or args.max_restarts < 0 or args.timeout_s <= 0:
-        parser.error(f"--spares={args.spares} and --max-restarts={args.max_restarts} must be "
-                     f">= 0 and --timeout-s={args.timeout_s} > 0")
-    if args.preload and not args.fork_workers:
-        parser.error(f"--preload={args.preload} needs --fork-workers")
-    if args.module is None and not args.script:
-        parser.error("name the training script (or -m MODULE)")
-    command = ([sys.executable, "-m", args.module, *args.script] if args.module is not None
-               else [sys.executable, *args.script])
-    supervisor = Supervisor(command, args.workers, args.timeout_s, args.max_restarts,
-                            args.spares, status_path=args.status,
-                            fork_workers=args.fork_workers, preload=args.preload)
-    code = supervisor.run()
-    for replacement in report_of(supervisor.replacements):
-        print(f"supervisor: generation {replacement['generation']}: rank "
-              f"{replacement['rank']} ({replacement['cause']}) pid {replacement['dead_pid']} "
-              f"replaced by pid {replacement['new_pid']}", file=sys.stderr)
-    return code
-
+from lightning_moe_ckpt.failures.cli import main
 
 if __name__ == "__main__":
     code = main()

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.failures.cli import main as supervise
 from lightning_moe_ckpt.failures.supervisor import Supervisor
-from lightning_moe_ckpt.supervise import main as supervise
 from tests.conftest import REPO
 from tests.forked import PRELOAD, run_python
 

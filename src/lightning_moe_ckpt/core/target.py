@@ -29,6 +29,7 @@ from lightning_moe_ckpt.core.batch_log import BatchLog
 from lightning_moe_ckpt.core.layout import ParallelPlan
 from lightning_moe_ckpt.core.optimizer_state import OptimizerStateAccess
 from lightning_moe_ckpt.core.registry import OperatorRegistry
+from lightning_moe_ckpt.errors import IterationAborted
 
 
 class StepResult(Protocol):
@@ -158,15 +159,6 @@ class StepHooks:
         """Iteration ``step`` raised ``error``; return True when a recovery took over
         (the loop then reruns from the target's step), False to let it propagate."""
         return False
-
-
-class IterationAborted(Exception):
-    """The iteration was abandoned for a recovery: run the target's ``step`` next (its
-    batch may differ from the one the loop had fetched)."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(f"iteration aborted; continue at step {step}")
-        self.step = step
 
 
 class TrainingTarget(ABC):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from lightning_moe_ckpt.core.rng import restore_rng
 from lightning_moe_ckpt.core.target import TrainingTarget
+from lightning_moe_ckpt.errors import NoUsableCheckpointError
 from lightning_moe_ckpt.recovery.sparse_to_dense import RecoveryReport
 
 if TYPE_CHECKING:
@@ -31,10 +32,6 @@ if TYPE_CHECKING:
 # Key of the RNG states in a durable checkpoint: Lightning's own checkpoint has none, and
 # a model with dropout replays (or resumes) exactly only from the RNG of its step.
 RNG_KEY = "lightning_moe_ckpt/rng"
-
-
-class NoUsableCheckpointError(RuntimeError):
-    """Recovery found neither a usable checkpoint window nor a durable checkpoint."""
 
 
 def durable_step(path: str) -> int:

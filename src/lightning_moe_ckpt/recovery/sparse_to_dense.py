@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_moe_ckpt.core.target import TrainingTarget
+from lightning_moe_ckpt.errors import RecoveryInterrupted
 from lightning_moe_ckpt.snapshots.codec import CorruptCheckpointError
 from lightning_moe_ckpt.snapshots.snapshot import Snapshot
 
@@ -65,14 +66,6 @@ class Cascade:
     ranks: tuple[int, ...]
     fail: Callable[[], None]
     after_replayed: int = 1
-
-
-class RecoveryInterrupted(Exception):
-    """A cascading failure cut a replay short; ``report`` says how far it got."""
-
-    def __init__(self, report: RecoveryReport) -> None:
-        super().__init__(f"recovery interrupted after {report.replayed} replayed iterations")
-        self.report = report
 
 
 @dataclass

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from lightning_moe_ckpt.errors import CorruptCheckpointError, SnapshotFormatError, WireFormatError
 from lightning_moe_ckpt.snapshots.checksum import (
     bytes_checksum,
     raw_bytes,
@@ -47,20 +48,12 @@ from lightning_moe_ckpt.snapshots.piece_blob import (
     read_piece,
 )
 from lightning_moe_ckpt.snapshots.snapshot import Snapshot
-from lightning_moe_ckpt.snapshots.wire import WireFormatError, dumps, loads
+from lightning_moe_ckpt.snapshots.wire import dumps, loads
 
 MAGIC = b"MOESNAP4"  # the format's version: any other is refused, never read
 _LENGTH = struct.Struct("<Q")
 HEADER_LENGTH_BYTES = _LENGTH.size  # the header's length, the encoding's last bytes
 _HEADER_GUESS = 1 << 16  # room left for the header when encoding into given memory
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint piece is missing or fails its checksum."""
-
-
-class SnapshotFormatError(CorruptCheckpointError):
-    """Bytes that are not a snapshot of this version's format: refused unread."""
 
 
 def _snapshot_fields(snapshot: Snapshot) -> dict[str, Any]:

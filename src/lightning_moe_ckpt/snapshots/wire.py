@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from lightning_moe_ckpt.errors import WireFormatError
+
 __all__ = ["DTYPES", "WireFormatError", "dumps", "loads"]
 
 _COUNT = struct.Struct("<Q")
@@ -31,10 +33,6 @@ _LIST, _TUPLE, _DICT, _TENSOR = b"l", b"t", b"d", b"x"
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
-
-
-class WireFormatError(ValueError):
-    """Bytes that are not a value of this format (truncated, damaged or foreign)."""
 
 
 def dumps(value: Any, where: str = "value") -> bytes:

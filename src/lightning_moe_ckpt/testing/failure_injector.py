@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
 from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
-from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.errors import ConfigError, InjectedFailure
 from lightning_moe_ckpt.failures.supervisor import is_replacement
 from lightning_moe_ckpt.recovery.api import DurableFallback, RecoveryRequest, recover
 from lightning_moe_ckpt.recovery.baselines import is_baseline
@@ -49,10 +49,6 @@ from lightning_moe_ckpt.testing.faults import (
 # Recovery phases in the order they happen ("convert_load": loading the window's first
 # snapshot; "convert": replaying the window with frozen operators).
 PHASE_ORDER = ("detect", "fetch", "convert_load", "convert", "replay", "resume", "total")
-
-
-class InjectedFailure(Exception):
-    """``kind: exception``: the training step of the failing rank raises this."""
 
 
 def fail_for_real(event: FailureEvent) -> None:
