@@ -85,8 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             fork_workers=args.fork_workers, preload=args.preload)
     code = supervisor.run()
     for replacement in report_of(supervisor.replacements):
-        print(f"supervisor: generation {replacement['generation']}: rank "
-              f"{replacement['rank']} ({replacement['cause']}) pid {replacement['dead_pid']} "
-              f"replaced by pid {replacement['new_pid']}", file=sys.stderr)
+        line = (f"supervisor: generation {replacement['generation']}: rank "
+                f"{replacement['rank']} ({replacement['cause']}) pid {replacement['dead_pid']} "
+                f"replaced by pid {replacement['new_pid']}")
+        print(line, file=sys.stderr)  # noqa: T201  (the command's result)
     return code
 
