@@ -25,6 +25,7 @@ run: venv
 lint: venv
 	$(BIN)/ruff check src tests recipes
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # The documentation site, built strict (any warning fails); the site lands in build/site.
 # NO_MKDOCS_2_WARNING silences mkdocs-material's banner about its end of life (not a warning).

@@ -8,7 +8,7 @@ models do), or a non-blocking copy into a pinned buffer and a wait on its event
 (``--read pinned``), to tell whether the kind of read decides if it waits behind a
 snapshot's copy.
 Meanwhile another thread copies ``--gib`` GiB in ``--tensors`` tensors to pinned host
-memory on a side stream, either issued at once or in the snapshot engine's batches
+memory on a side stream, either issued at once or in the snapshot capture's batches
 (:class:`~lightning_moe_ckpt.snapshots.copy_batches.CopyBatches`, a ring of events
 bounding how many are queued). It prints how much longer the "iteration" took than
 without a copy, the longest single read, and the copy's achieved GB/s, beside the

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_moe_ckpt.sim.inputs import ClusterSpec, ParallelPlan, parse_precision
+from lightning_moe_ckpt.sim.inputs import ClusterSpec, JobPlan, precision_spec
 from lightning_moe_ckpt.sim.job import JobSpec, SimJob, build_job
 from lightning_moe_ckpt.sim.measured import (
     MeasuredRun,
@@ -29,7 +29,7 @@ from lightning_moe_ckpt.sim.measured import (
     useful_seconds,
 )
 from lightning_moe_ckpt.sim.profile import MeasuredProfile, profile_document, write_profile
-from moe_recipes.comparisons import PEER_POLICIES
+from moe_recipes.comparisons import COMPARISON_POLICIES
 from moe_recipes.settings import RunSettings, settings_from_config
 from moe_recipes.stage_profile import measure_compute
 
@@ -67,9 +67,9 @@ def sim_job(cfg: DictConfig, settings: RunSettings, profile: MeasuredProfile) ->
                                        name=str(cfg.hardware.name))
     # Replicas live on other ranks: a single process keeps none (as the real run does).
     replicas = min(settings.checkpoint.replicas, settings.layout.world_size - 1)
-    plan = ParallelPlan.from_mapping(sim_plan(settings), "plan")
+    plan = JobPlan.from_mapping(sim_plan(settings), "plan")
     spec = JobSpec(model=settings.model, plan=plan, cluster=cluster,
-                   precision=parse_precision(settings.precision, cluster), replicas=replicas,
+                   precision=precision_spec(settings.precision, cluster), replicas=replicas,
                    profile=profile)
     return build_job(spec)
 
@@ -93,7 +93,7 @@ def ettr_row(policy: str, cfg: DictConfig, metrics: dict[str, Any], baseline: di
     job = sim_job(cfg, settings, profile)
     # A peer (a dense checkpoint to disk every k steps, restart from the newest) is what
     # the simulator models as CheckFreq's regime at that k.
-    modelled = "checkfreq" if settings.checkpoint.policy in PEER_POLICIES else policy
+    modelled = "checkfreq" if settings.checkpoint.policy in COMPARISON_POLICIES else policy
     policy_model = plan_measured(modelled, job, knobs_of(settings, metrics),
                                  mtbf_steps * run.work_s / run.steps, run.loop_s)
     predicted = predict(policy_model, run, useful, mtbf_steps, mc_runs,

@@ -1,4 +1,5 @@
-"""A user's own periodic checkpointing: the real alternatives MoEvement is compared with.
+"""The comparison policies: a user's own periodic checkpointing, the real alternatives
+MoEvement is compared with (the bench's ``--peers``).
 
 * ``checkpoint=lightning``: every ``k`` steps the loop saves what a Trainer checkpoint
   holds (model, optimizer and LR-scheduler state, step, RNG) through Lightning's
@@ -21,7 +22,7 @@ and torchtitan's checkpointer end it, at the latest where the loop next waits fo
 Recovery is a user's: at a failure every in-flight save dies with the job, every rank loads
 the newest checkpoint that completed on every rank (the initial state when none did) and
 recomputes the lost steps, inside the interrupted iteration so the loop time holds it.
-The restart of processes is not counted (it would only add to these peers' recovery).
+The restart of processes is not counted (it would only add to these policies' recovery).
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from typing_extensions import override
 
 from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
-from lightning_moe_ckpt.policies.dense import checkfreq_interval, oracle_interval
+from lightning_moe_ckpt.policies.dense import checkfreq_interval, gemini_interval
 from lightning_moe_ckpt.training.engine import TrainingEngine
 
-PEER_POLICIES = ("lightning", "dcp")
-PEER_OPTIONS = frozenset({"interval", "max_overhead", "mtbf_steps"})
+COMPARISON_POLICIES = ("lightning", "dcp")
+COMPARISON_OPTIONS = frozenset({"interval", "max_overhead", "mtbf_steps"})
 
 
 class _CompletionIO(TorchCheckpointIO):
@@ -102,9 +103,9 @@ class _Save:
     done: Callable[[], bool]
 
 
-def check_peer_options(*, interval: Any = "cap", max_overhead: Any = 0.03,
+def check_comparison_options(*, interval: Any = "cap", max_overhead: Any = 0.03,
                        mtbf_steps: Any = None) -> None:
-    """Refuse ``checkpoint.<option>`` values of the peer policies, naming key and value."""
+    """Refuse ``checkpoint.<option>`` values of the comparison policies, naming key and value."""
     integer = isinstance(interval, int) and not isinstance(interval, bool)
     require((integer and interval >= 1) or interval in ("cap", "oracle"),
             f"{fmt('checkpoint.interval', interval)} must be an integer >= 1, 'cap' or "
@@ -116,16 +117,17 @@ def check_peer_options(*, interval: Any = "cap", max_overhead: Any = 0.03,
             "faults.mtbf_steps)")
 
 
-class PeerCheckpointing:
+class ComparisonCheckpointing:
     """Periodic asynchronous checkpoints of one rank's engine and a user's restart."""
 
     def __init__(self, policy: str, engine: TrainingEngine, directory: Path, rank: int,
                  world_size: int, failure_steps: set[int], warmup: int,
                  interval: int | str = "cap", max_overhead: float = 0.03,
                  mtbf_steps: float | None = None) -> None:
-        if policy not in PEER_POLICIES:
-            raise ConfigError(f"checkpoint={policy} is not a peer policy")
-        check_peer_options(interval=interval, max_overhead=max_overhead, mtbf_steps=mtbf_steps)
+        if policy not in COMPARISON_POLICIES:
+            raise ConfigError(f"checkpoint={policy} is not a comparison policy")
+        check_comparison_options(interval=interval, max_overhead=max_overhead,
+                                 mtbf_steps=mtbf_steps)
         if interval == "oracle" and mtbf_steps is None:
             raise ConfigError("checkpoint.interval=oracle needs checkpoint.mtbf_steps (or "
                               "faults=mtbf)")
@@ -287,7 +289,7 @@ class PeerCheckpointing:
         if self.rule == "cap":
             return checkfreq_interval(iteration, save_s, self.max_overhead)
         assert self.mtbf_steps is not None
-        return oracle_interval(self.mtbf_steps * iteration, iteration, save_s)
+        return gemini_interval(self.mtbf_steps * iteration, iteration, save_s)
 
     def close(self) -> None:
         """Wait for outstanding saves."""

@@ -95,6 +95,8 @@ def write_metrics(path: Path, settings: RunSettings, history: TrainingHistory,
         "expert_load": load.tolist() if load is not None else [],
     }
     metrics.update(extra)
+    if settings.checkpoint.paired_blocks is not None:  # the bench pairs the blocks' steps
+        metrics["paired_blocks"] = settings.checkpoint.paired_blocks
     metrics["ettr"] = loop_ettr(loop_s, metrics)
     path.write_text(json.dumps(metrics, indent=2))
     return metrics

@@ -51,7 +51,7 @@ from lightning_moe_ckpt.training.hf_module import HFLanguageModule
 from lightning_moe_ckpt.training.history import TrainingHistory, ValidationRecord
 from lightning_moe_ckpt.training.lightning_module import MoELanguageModule
 from lightning_moe_ckpt.training.step_log import ValidationMetrics, evaluate, step_log_values
-from moe_recipes.comparisons import PEER_POLICIES, PeerCheckpointing
+from moe_recipes.comparisons import COMPARISON_POLICIES, ComparisonCheckpointing
 from moe_recipes.outputs import (
     FINAL_STATE,
     METRICS,
@@ -61,6 +61,7 @@ from moe_recipes.outputs import (
     write_metrics,
 )
 from moe_recipes.settings import RunSettings, settings_from_config
+from moe_recipes.statistics import PairedBlocks
 from moe_recipes.supervised import (
     RecoverRealFailures,
     handle_peer_failures,
@@ -81,7 +82,7 @@ class TrainedState:
     strategy_core: Any = None
     checkpointing: SparseCheckpointing | None = None
     injector: FailureInjector | None = None
-    peer: PeerCheckpointing | None = None
+    peer: ComparisonCheckpointing | None = None
     peer_failures: PeerFailureHandler | None = None  # real failures of peers, recovered
 
 
@@ -96,22 +97,24 @@ def _failure_injector(settings: RunSettings,
 
 def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
     checkpoint = settings.checkpoint
-    if checkpoint.policy in PEER_POLICIES:
+    if checkpoint.policy in COMPARISON_POLICIES:
         require(settings.api == "fabric" and settings.model.family == "builtin",
                 f"checkpoint={checkpoint.policy} runs in the Fabric loop of the built-in "
                 f"model (api={settings.api}, model.family={settings.model.family})")
         return None
     if checkpoint.policy == "none":
         return None
-    return SparseCheckpointing(checkpoint.policy, checkpoint.replicas,
-                               checkpoint.warmup_iterations, checkpoint.durable_every,
-                               checkpoint.durable_dir, checkpoint.durable_keep,
-                               checkpoint.upstream_logging,
-                               same_node_replicas=checkpoint.same_node_replicas,
-                               checksum_threads=checkpoint.checksum_threads,
-                               paired_blocks=checkpoint.paired_blocks,
-                               helper_nice=checkpoint.helper_nice,
-                               **checkpoint.options)
+    checkpointing = SparseCheckpointing(checkpoint.policy, checkpoint.replicas,
+                                        checkpoint.warmup_iterations, checkpoint.durable_every,
+                                        checkpoint.durable_dir, checkpoint.durable_keep,
+                                        checkpoint.upstream_logging,
+                                        same_node_replicas=checkpoint.same_node_replicas,
+                                        checksum_threads=checkpoint.checksum_threads,
+                                        helper_nice=checkpoint.helper_nice,
+                                        **checkpoint.options)
+    if checkpoint.paired_blocks is not None:  # the bench's measurement (--paired-blocks)
+        checkpointing.window_filter = PairedBlocks(checkpoint.paired_blocks)
+    return checkpointing
 
 
 def _launch_settings(settings: RunSettings) -> dict[str, Any]:
@@ -238,7 +241,7 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     if job is not None and checkpointing is not None and distributed:
         handler = handle_peer_failures(settings, job, engine, checkpointing, injector,
                                         strategy.core, fabric.device)
-    peer = _peer_checkpointing(settings, engine, fabric.global_rank, fabric.world_size)
+    peer = _comparison_checkpointing(settings, engine, fabric.global_rank, fabric.world_size)
     layer_ids = list(range(settings.model.n_layers))
     metrics = ValidationMetrics()
     train = IterationDataset(data.train, settings.max_steps, shard=shard)
@@ -287,11 +290,11 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
                         handler)
 
 
-def _peer_checkpointing(settings: RunSettings, engine: TrainingEngine, rank: int,
-                        world_size: int) -> PeerCheckpointing | None:
+def _comparison_checkpointing(settings: RunSettings, engine: TrainingEngine, rank: int,
+                        world_size: int) -> ComparisonCheckpointing | None:
     """A user's own periodic checkpointing (``checkpoint=lightning`` or ``dcp``)."""
     checkpoint = settings.checkpoint
-    if checkpoint.policy not in PEER_POLICIES:
+    if checkpoint.policy not in COMPARISON_POLICIES:
         return None
     failures: set[int] = set()
     options = dict(checkpoint.options)
@@ -301,7 +304,7 @@ def _peer_checkpointing(settings: RunSettings, engine: TrainingEngine, rank: int
         failures = {step for step in range(settings.max_steps) if schedule.events_at(step)}
         if options.get("mtbf_steps") is None:
             options["mtbf_steps"] = settings.faults.get("mtbf_steps")
-    peer = PeerCheckpointing(checkpoint.policy, engine, Path(settings.out_dir) / "peer",
+    peer = ComparisonCheckpointing(checkpoint.policy, engine, Path(settings.out_dir) / "peer",
                              rank, world_size, failures, checkpoint.warmup_iterations,
                              **options)
     peer.begin()
@@ -325,7 +328,7 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
             _leave_process_groups()
             return metrics
     if (settings.layout.world_size > 1
-            and settings.checkpoint.policy not in ("none", *PEER_POLICIES)
+            and settings.checkpoint.policy not in ("none", *COMPARISON_POLICIES)
             and os.environ.get("LOCAL_RANK", "0") == "0"):  # once, from the first process
         print("note: without the supervisor a worker that really dies ends the job; set "
               "recovery.supervise=true to have it replaced and recovered", file=sys.stderr,

@@ -16,7 +16,6 @@ from typing import Any, Literal, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_moe_ckpt.checkpointing.coordinator import require_paired_blocks
 from lightning_moe_ckpt.core.layout import ParallelPlan
 from lightning_moe_ckpt.core.precision import parse_precision
 from lightning_moe_ckpt.data.corpus import BYTE_VOCAB_SIZE
@@ -26,6 +25,7 @@ from lightning_moe_ckpt.replication.shared_slots import SAME_NODE_REPLICAS
 from lightning_moe_ckpt.snapshots.checksum import require_checksum_threads
 from lightning_moe_ckpt.snapshots.helper_threads import DEFAULT_HELPER_NICE, require_helper_nice
 from lightning_moe_ckpt.training.settings import DataSettings, OptimSettings, TrainingSettings
+from moe_recipes.statistics import require_paired_blocks
 
 Api = Literal["trainer", "fabric"]
 DATA_SOURCES = ("stdlib", "textfile")
@@ -75,13 +75,13 @@ class CheckpointSettings:
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     from lightning_moe_ckpt.policies.moevement import setting_options
-    from moe_recipes.comparisons import PEER_OPTIONS, PEER_POLICIES
+    from moe_recipes.comparisons import COMPARISON_OPTIONS, COMPARISON_POLICIES
 
     values = dict(values)
     given = dict(values)  # what the config said, before defaults fill in
     policy = str(values.pop("policy", "none"))
     # Names checkpoint=<policy> when unknown.
-    known = PEER_OPTIONS if policy in PEER_POLICIES else setting_options(policy)
+    known = COMPARISON_OPTIONS if policy in COMPARISON_POLICIES else setting_options(policy)
     replicas = values.pop("replicas", 2)
     warmup = values.pop("warmup_iterations", 3)
     durable_every = values.pop("durable_every", None)
@@ -108,7 +108,7 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
             f"{fmt('checkpoint.replicas', replicas)} must be an integer >= 0")
     require(isinstance(warmup, int) and warmup >= 1,
             f"{fmt('checkpoint.warmup_iterations', warmup)} must be an integer >= 1")
-    if policy == "none" or policy in PEER_POLICIES:  # settings these would ignore
+    if policy == "none" or policy in COMPARISON_POLICIES:  # settings these would ignore
         require(given.get("replicas", 0) == 0,
                 f"{fmt('checkpoint.replicas', replicas)} has no effect with "
                 f"checkpoint={policy}, which keeps no replicas; leave it at 0")
@@ -339,10 +339,10 @@ def _check_policy_options(checkpoint: CheckpointSettings, model: MoEModelConfig)
     every rank once training is set up."""
     from lightning_moe_ckpt.planning.schedule import OperatorSpec
     from lightning_moe_ckpt.policies.moevement import make_planner, planner_options
-    from moe_recipes.comparisons import PEER_POLICIES, check_peer_options
+    from moe_recipes.comparisons import COMPARISON_POLICIES, check_comparison_options
 
-    if checkpoint.policy in PEER_POLICIES:
-        check_peer_options(**checkpoint.options)
+    if checkpoint.policy in COMPARISON_POLICIES:
+        check_comparison_options(**checkpoint.options)
         return
     if checkpoint.policy == "none":
         return

@@ -20,6 +20,31 @@ import math
 from collections.abc import Sequence
 from itertools import groupby, pairwise
 from statistics import fmean
+from typing import Any
+
+from lightning_moe_ckpt.errors import fmt, require
+
+
+def require_paired_blocks(blocks: object) -> None:
+    """Refuse a ``checkpoint.paired_blocks`` that is neither None (off) nor an integer >= 1."""
+    require(blocks is None or (isinstance(blocks, int) and not isinstance(blocks, bool)
+                               and blocks >= 1),
+            f"{fmt('checkpoint.paired_blocks', blocks)} must be an integer >= 1 (steps per "
+            "block; or null: a snapshot at every step the policy plans one)")
+
+
+class PairedBlocks:
+    """A window filter (``SparseCheckpointing.window_filter``) taking snapshots in
+    alternate blocks of about ``blocks`` steps: a window is taken when its first step falls
+    in an even block, so blocks switch only where a window starts and every window taken
+    is whole."""
+
+    def __init__(self, blocks: int) -> None:
+        require_paired_blocks(blocks)
+        self.blocks = blocks
+
+    def __call__(self, plan: Any) -> bool:
+        return bool((plan.iteration // self.blocks) % 2 == 0)
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95

@@ -31,7 +31,7 @@ from lightning_moe_ckpt.testing.faults import has_real_faults, schedule_from_con
 from lightning_moe_ckpt.training.distributed_executor import DistributedExecutor
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from lightning_moe_ckpt.training.lightning_module import MoELanguageModule
-from moe_recipes.comparisons import PEER_POLICIES
+from moe_recipes.comparisons import COMPARISON_POLICIES
 from moe_recipes.outputs import METRICS, WORKERS
 from moe_recipes.settings import RunSettings
 
@@ -70,7 +70,7 @@ def supervise_workers(settings: RunSettings) -> dict[str, Any]:
     require(settings.layout.world_size > 1,
             f"{why}: real failures need several worker processes (a layout with "
             "parallel.pp x dp x ep > 1)")
-    require(settings.checkpoint.policy not in ("none", *PEER_POLICIES),
+    require(settings.checkpoint.policy not in ("none", *COMPARISON_POLICIES),
             f"{why}: real failures are recovered from sparse checkpoints "
             f"(checkpoint={settings.checkpoint.policy})")
     Path(settings.out_dir).mkdir(parents=True, exist_ok=True)

@@ -211,7 +211,7 @@ def test_torchtitan_style_grouped_experts_are_sliced() -> None:
     target = run.checkpointing.target
     assert target is not None
     expert = target.registry["model.layers.1.moe.experts.5"]
-    assert sorted(p.key for p in expert.pieces) == [
+    assert sorted(p.key for p in expert.parts) == [
         f"model.layers.1.moe.experts.{w}[5]" for w in ("w1", "w2", "w3")]
     assert "model.layers.0.moe.router" in target.registry  # not swallowed by the block
 

@@ -166,7 +166,7 @@ def ahead_run(settings: RunSettings, window: int, step: int, failed: tuple[int, 
     try:
         for t in range(settings.max_steps):
             if t == step:
-                coordinator.snapshots.wait_copies()
+                coordinator.capture.wait_copies()
                 if rank in lagging:
                     _lag_persisted_window(coordinator)
                 if rank in failed:

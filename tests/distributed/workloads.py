@@ -27,7 +27,7 @@ from lightning_moe_ckpt.training.consolidate import consolidated_state, gather_c
 from lightning_moe_ckpt.training.data import build_data
 from lightning_moe_ckpt.training.distributed_executor import build_parallel_engine
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from moe_recipes.comparisons import PeerCheckpointing
+from moe_recipes.comparisons import ComparisonCheckpointing
 from moe_recipes.settings import RunSettings, settings_from_config
 
 
@@ -102,7 +102,7 @@ def peer_checkpointing_run(settings: RunSettings, policy: str, directory: str,
     engine, coords, sampler, shard = _rank_engine(settings)
     engine.batch = lambda step: sampler.iteration(step, shard)
     rank, world = dist.get_rank(), dist.get_world_size()
-    peer = PeerCheckpointing(policy, engine, Path(directory), rank, world, {failure_step},
+    peer = ComparisonCheckpointing(policy, engine, Path(directory), rank, world, {failure_step},
                              warmup=2)
     peer.begin()
     while engine.step < settings.max_steps:
@@ -415,7 +415,7 @@ def replication_check(settings: RunSettings, steps: int, window: int,
                        "acknowledgements": replicator.acknowledgements,
                        "exchanges": replicator.exchanges,
                        "slots": 0 if replicator.slots is None else replicator.slots.allocations,
-                       "snapshots": coordinator.snapshots_taken}
+                       "snapshots": coordinator.measured.snapshots_taken}
     if dist.get_rank() == first:
         _corrupt_one_piece(replicator.replicas, 0, common_start)
     fetched_despite_corrupt = sorted(replicator.fetch_window(0, common_start))

@@ -1,4 +1,4 @@
-"""CUDA path of the snapshot engine: pinned host buffers, side-stream copies ordered after
+"""CUDA path of the snapshot capture: pinned host buffers, side-stream copies ordered after
 the optimizer step, exact values, stall measured only in the wait. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.core.target import StepHooks
 from lightning_moe_ckpt.planning.planner import CapturePlan
-from lightning_moe_ckpt.snapshots.capture import SnapshotEngine
+from lightning_moe_ckpt.snapshots.capture import SnapshotCapture
 from lightning_moe_ckpt.training.engine import TrainingEngine
 from moe_recipes.settings import settings_from_config
 
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 class _Wait(StepHooks):
-    def __init__(self, snapshots: SnapshotEngine) -> None:
+    def __init__(self, snapshots: SnapshotCapture) -> None:
         self.snapshots = snapshots
 
     def before_optimizer_step(self, step: int) -> None:
@@ -39,7 +39,7 @@ def test_cuda_snapshots_are_exact_and_pinned(precision: str, batch_bytes: int | 
         "trainer": {"precision": precision, "global_batch": 16, "max_steps": 6}}))
     engine = TrainingEngine.local(settings, device="cuda")
     registry = engine.registry
-    snapshots = SnapshotEngine(registry, engine.state, 0, torch.device("cuda"))
+    snapshots = SnapshotCapture(registry, engine.state, 0, torch.device("cuda"))
     if batch_bytes is not None:
         snapshots.copy_batch_bytes = batch_bytes  # before the first copy list is cut
     engine.hooks.append(_Wait(snapshots))
@@ -85,7 +85,7 @@ def test_device_metadata_reaches_the_host_with_the_copies() -> None:
         "model": {"max_seq_len": 64}, "data": {"seq_len": 64},
         "trainer": {"global_batch": 16, "max_steps": 1}}))
     engine = TrainingEngine.local(settings, device="cuda")
-    snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cuda"))
+    snapshots = SnapshotCapture(engine.registry, engine.state, 0, torch.device("cuda"))
     clip = torch.tensor(0.375, device="cuda") * 2
     names = engine.registry.names
     snapshot = snapshots.issue(CapturePlan(0, tuple(names), (), 0, 0, 1, None),

@@ -1,4 +1,4 @@
-"""Capture plans for tests that drive the snapshot engine without a planner."""
+"""Capture plans for tests that drive the snapshot capture without a planner."""
 
 from __future__ import annotations
 

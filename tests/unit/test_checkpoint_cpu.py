@@ -27,22 +27,23 @@ def test_step_hooks_report_their_cpu_time_without_the_wait_for_the_copies() -> N
     generator = torch.Generator().manual_seed(0)
     for step in range(2):
         if step == 1:  # the copy of this step's snapshot sleeps first
-            coordinator.snapshots.copy_delay_s = COPY_DELAY_S
+            coordinator.capture.copy_delay_s = COPY_DELAY_S
         tokens = torch.randint(0, 256, (1, 4, 17), generator=generator)
         engine.train_iteration(tokens[..., :-1], tokens[..., 1:])
     # The next optimizer step's hook, at once: it waits for that copy.
-    before = coordinator.hooks_cpu_s
+    before = coordinator.measured.hooks_cpu_s
     coordinator.before_optimizer_step(2)
-    waited_s = coordinator.stall_per_step[-1]
+    waited_s = coordinator.measured.stall_per_step[-1]
     checkpointing.close()
     assert waited_s >= 0.5 * COPY_DELAY_S
     # The wait is the stall, not CPU time: the hook's CPU is far below it.
-    assert coordinator.hooks_cpu_s - before < 0.2 * waited_s
+    assert coordinator.measured.hooks_cpu_s - before < 0.2 * waited_s
     # Planning and issuing the snapshots of two steps did take CPU, and it is reported.
     metrics = coordinator.metrics(1.0)
     hooks_ms = metrics["checkpoint_thread_cpu_ms_per_iter"]["training_hooks"]
-    steps = len(coordinator.bytes_per_step)  # the iterations trained: 2
-    assert hooks_ms > 0 and hooks_ms == pytest.approx(1e3 * coordinator.hooks_cpu_s / steps)
+    steps = len(coordinator.measured.bytes_per_step)  # the iterations trained: 2
+    hooks_cpu_s = coordinator.measured.hooks_cpu_s
+    assert hooks_ms > 0 and hooks_ms == pytest.approx(1e3 * hooks_cpu_s / steps)
 
 
 def test_filing_between_snapshots_counts_as_replication_cpu() -> None:

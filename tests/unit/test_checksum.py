@@ -59,7 +59,7 @@ def pieces(draw: st.DrawFn) -> dict[str, torch.Tensor]:
 
 def _snapshot(tensors: dict[str, torch.Tensor], pooled: bool = False) -> Snapshot:
     """A snapshot of ``tensors`` and a small second piece; ``pooled``: in host buffers as the
-    snapshot engine's copy thread fills and checksums them."""
+    snapshot capture's copy thread fills and checksums them."""
     piece = (_pooled_piece("layers.0.moe.experts.1", tensors) if pooled else
              SnapshotPiece("layers.0.moe.experts.1", "master", tensors, tensor_checksum(tensors)))
     other = {"head.weight": torch.ones(2, 2)}

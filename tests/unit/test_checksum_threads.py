@@ -1,5 +1,5 @@
 """CRC32C split over threads: the same value as one pass over the same bytes, for any split,
-so a flipped bit is caught just the same; the snapshot engine's pieces checksummed this way
+so a flipped bit is caught just the same; the snapshot capture's pieces checksummed this way
 verify; the thread count follows the cores a rank may use."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_moe_ckpt.snapshots.capture import SnapshotEngine
+from lightning_moe_ckpt.snapshots.capture import SnapshotCapture
 from lightning_moe_ckpt.snapshots.checksum import (
     MAX_THREADS,
     ChecksumThreads,
@@ -77,7 +77,7 @@ def test_threads_follow_the_cores_of_a_rank(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_engine_pieces_checksummed_on_threads_verify() -> None:
     engine = _engine("bf16-master")
-    snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cpu"),
+    snapshots = SnapshotCapture(engine.registry, engine.state, 0, torch.device("cpu"),
                                checksum_threads=3)
     snapshots.checksums = ChecksumThreads(3, chunk_bytes=512)  # split even tiny pieces
     names = engine.registry.names

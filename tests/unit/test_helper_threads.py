@@ -1,6 +1,6 @@
 """Helper threads run at a higher nice value than the process (Linux keeps one per
 thread), capped at the kernel's 19, also where a helper starts one; the setting is checked
-and named when bad; the snapshot engine's copy thread and the checksum pool's threads are
+and named when bad; the snapshot capture's copy thread and the checksum pool's threads are
 such helpers, and the training thread keeps its priority."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.snapshots.capture import SnapshotEngine
+from lightning_moe_ckpt.snapshots.capture import SnapshotCapture
 from lightning_moe_ckpt.snapshots.checksum import ChecksumThreads, raw_bytes, views_checksum
 from lightning_moe_ckpt.snapshots.helper_threads import (
     DEFAULT_HELPER_NICE,
@@ -97,7 +97,7 @@ def test_the_copy_thread_and_the_checksum_pool_are_helpers() -> None:
     before = _nice()
     engine = _engine("32")
     others = _threads_named("snapshot-copy")  # other tests' engines, still open
-    snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cpu"),
+    snapshots = SnapshotCapture(engine.registry, engine.state, 0, torch.device("cpu"),
                                helper_nice=6)
     try:
         engine.train_iteration(*_batch(0))

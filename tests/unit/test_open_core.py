@@ -278,7 +278,7 @@ def test_every_parameter_claimed_exactly_once(builder: str) -> None:
     registry = OperatorRegistry(model)
     claims: dict[str, list[int | None]] = {}
     for op in registry:
-        for piece in op.pieces:
+        for piece in op.parts:
             claims.setdefault(piece.param_name, []).append(piece.index)
     params = dict(model.named_parameters())
     assert claims.keys() == params.keys()
@@ -297,7 +297,7 @@ def test_mixtral_has_sixteen_expert_operators() -> None:
     assert len(experts) == 16
     assert sorted(expert_position(op.name) for op in experts) == [
         (layer, e) for layer in range(2) for e in range(8)]
-    assert all(len(op.pieces) == 2 and op.pieces[0].index == op.expert for op in experts)
+    assert all(len(op.parts) == 2 and op.parts[0].index == op.expert for op in experts)
 
 
 def _with_extra() -> nn.Module:
@@ -324,8 +324,8 @@ def test_override_claims_the_extra_parameter(override: object) -> None:
     op = registry["my_extra"]
     assert op.kind == "other"
     assert (op.layer, op.expert) == (None, None)
-    assert [(p.param_name, p.index) for p in op.pieces] == [("extra", None)]
-    assert op.pieces[0].param is model.extra
+    assert [(p.param_name, p.index) for p in op.parts] == [("extra", None)]
+    assert op.parts[0].param is model.extra
     assert "blocks.0.moe.experts.3" in registry  # the rules still apply to the rest
 
 
@@ -366,8 +366,8 @@ def test_master_state_round_trip_adamw() -> None:
     access = OptimizerStateAccess(opt)
     before = _snapshot(model, opt)
     captured = {piece.key: {k: v.clone() for k, v in access.master_sources(piece).items()}
-                for op in registry for piece in op.pieces}
-    piece = registry[QWEN_FROZEN].pieces[0]
+                for op in registry for piece in op.parts}
+    piece = registry[QWEN_FROZEN].parts[0]
     assert piece.index == 3
     assert f"{piece.key}/step/shared" in captured[piece.key]
     assert f"{piece.key}/exp_avg" in captured[piece.key]
@@ -378,7 +378,7 @@ def test_master_state_round_trip_adamw() -> None:
             param.fill_(math.nan)
     opt.state.clear()
     for op in registry:
-        for p in op.pieces:
+        for p in op.parts:
             access.load_master(p, captured[p.key])
     after = _snapshot(model, opt)
     assert before.keys() == after.keys()
@@ -407,7 +407,7 @@ def test_master_state_round_trip_bf16_master() -> None:
              for name, fields in opt.optimizer_state().items()}
     assert state and all(set(f) == {"step", "exp_avg", "exp_avg_sq"} for f in state.values())
     captured = {piece.key: {k: v.clone() for k, v in access.master_sources(piece).items()}
-                for op in registry for piece in op.pieces}
+                for op in registry for piece in op.parts}
     assert all(t.dtype == torch.float32 for c in captured.values() for t in c.values())
 
     with torch.no_grad():
@@ -416,7 +416,7 @@ def test_master_state_round_trip_bf16_master() -> None:
             opt.master[name].fill_(math.nan)
     opt.state.clear()
     for op in registry:
-        for p in op.pieces:
+        for p in op.parts:
             access.load_master(p, captured[p.key])
 
     params = dict(model.named_parameters())

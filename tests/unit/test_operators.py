@@ -35,7 +35,7 @@ def test_operator_names_cover_every_parameter_once(tiny_cfg: MoEModelConfig) -> 
     assert registry.names[:4] == ["embed", "layers.0.attn", "layers.0.moe.gate",
                                   "layers.0.moe.experts.0"]
     assert registry["layers.3.moe.experts.7"].expert == 7
-    owner = {piece.param_name: op.name for op in registry for piece in op.pieces}
+    owner = {piece.param_name: op.name for op in registry for piece in op.parts}
     assert owner["layers.2.ffn_norm.weight"] == "layers.2.attn"
     assert owner["head.norm.weight"] == "head"
     model.mystery = torch.nn.Parameter(torch.zeros(3))

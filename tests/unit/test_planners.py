@@ -20,7 +20,7 @@ from lightning_moe_ckpt.policies.dense import (
     CheckFreqPlanner,
     GeminiPlanner,
     checkfreq_interval,
-    oracle_interval,
+    gemini_interval,
 )
 from lightning_moe_ckpt.policies.moevement import PLANNER_NAMES, MoEvementPlanner, make_planner
 from lightning_moe_ckpt.policies.partial import MoCPlanner, MoEtionPlanner
@@ -346,7 +346,7 @@ def test_gemini_oracle_matches_brute_force(mtbf: float, t_iter: float, t_ckpt: f
     limit = math.ceil(mtbf / t_iter)
     values = [_ettr(k, mtbf, t_iter, t_ckpt, fixed) for k in range(1, limit + 1)]
     best = max(values)
-    chosen = oracle_interval(mtbf, t_iter, t_ckpt, fixed)
+    chosen = gemini_interval(mtbf, t_iter, t_ckpt, fixed)
     assert values[chosen - 1] == pytest.approx(best, rel=1e-12)
     assert chosen == 1 + values.index(best) or values[chosen - 1] == best
 
@@ -361,7 +361,7 @@ def test_gemini_fixed_and_oracle_cadence(specs: tuple[OperatorSpec, ...]) -> Non
     oracle = GeminiPlanner(specs, mtbf_s=3600.0)
     assert oracle.interval == 1  # snapshots until its cost is measured
     oracle.record_overhead(1.0, 2.0)
-    assert oracle.interval == oracle_interval(3600.0, 1.0, 2.0) > 1
+    assert oracle.interval == gemini_interval(3600.0, 1.0, 2.0) > 1
     oracle.on_recovery(10)
     assert oracle.plan(11) is None
 

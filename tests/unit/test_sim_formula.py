@@ -20,15 +20,15 @@ from lightning_moe_ckpt.planning.intervals import (
 )
 from lightning_moe_ckpt.sim import (
     ClusterSpec,
+    JobPlan,
     JobSpec,
-    ParallelPlan,
     SimJob,
     build_job,
     make_policy,
 )
 from lightning_moe_ckpt.sim.dense_policies import gemini_regime
 from lightning_moe_ckpt.sim.ettr import analytic_ettr
-from lightning_moe_ckpt.sim.inputs import parse_precision
+from lightning_moe_ckpt.sim.inputs import precision_spec
 from lightning_moe_ckpt.sim.recovery import RecoveryModel, RecoveryPath
 from lightning_moe_ckpt.sim.regime import Policy, Regime
 
@@ -41,8 +41,8 @@ def deepseek_job() -> SimJob:
                                        name="a100")
     model = MoEModelConfig.from_mapping(
         OmegaConf.to_container(OmegaConf.load(CONF / "model/deepseek_moe.yaml")))
-    plan = ParallelPlan(pp=12, dp=1, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
-    return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster)))
+    plan = JobPlan(pp=12, dp=1, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
+    return build_job(JobSpec(model, plan, cluster, precision_spec("bf16-master", cluster)))
 
 
 def test_formula_on_hand_checked_numbers() -> None:

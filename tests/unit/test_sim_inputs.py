@@ -16,14 +16,14 @@ from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim import (
     ClusterSpec,
+    JobPlan,
     JobSpec,
-    ParallelPlan,
     PolicySettings,
     build_job,
     load_profile,
     make_policy,
 )
-from lightning_moe_ckpt.sim.inputs import parse_precision
+from lightning_moe_ckpt.sim.inputs import precision_spec
 from lightning_moe_ckpt.sim.profile import PROFILE_SCHEMA
 from moe_recipes.sim.experiments import simulate
 
@@ -49,10 +49,10 @@ def model(name: str) -> MoEModelConfig:
         OmegaConf.to_container(OmegaConf.load(CONF / f"model/{name}.yaml")))
 
 
-def plan(**values: Any) -> ParallelPlan:
+def plan(**values: Any) -> JobPlan:
     merged = {"pp": 12, "dp": 1, "ep": 8, "global_batch": 512, "micro_batch": 32,
               "seq_len": 2048, **values}
-    return ParallelPlan.from_mapping(merged, "sim.models.deepseek_moe")
+    return JobPlan.from_mapping(merged, "sim.models.deepseek_moe")
 
 
 def simulate_with(**sim_changes: Any) -> None:
@@ -123,7 +123,7 @@ def test_cluster_keys_are_checked() -> None:
 
 def test_policy_lookup_errors() -> None:
     job = build_job(JobSpec(model("moe_llava"), plan(pp=6, dp=2), cluster(),
-                            parse_precision("bf16-master", cluster())))
+                            precision_spec("bf16-master", cluster())))
     with pytest.raises(ConfigError, match=r"sim\.policies='raid'"):
         make_policy("raid", job, 600.0, 3600.0)
     with pytest.raises(ConfigError, match="MTBF must be > 0"):
@@ -134,10 +134,10 @@ def test_policy_lookup_errors() -> None:
 
 def test_fp8_needs_fp8_hardware_and_shrinks_state_and_iterations() -> None:
     with pytest.raises(ConfigError, match=r"hardware\.cluster\.fp8_tflops=0"):
-        parse_precision("fp8-fp16-fp32", cluster("a100"))
+        precision_spec("fp8-fp16-fp32", cluster("a100"))
     h100 = cluster("h100")
     jobs = {name: build_job(JobSpec(model("deepseek_moe"), plan(pp=8, dp=2, micro_batch=32),
-                                    h100, parse_precision(name, h100)))
+                                    h100, precision_spec(name, h100)))
             for name in ("bf16-master", "fp8-fp8-fp8fp16")}
     bf16, fp8 = jobs["bf16-master"], jobs["fp8-fp8-fp8fp16"]
     assert fp8.iteration_s < bf16.iteration_s
@@ -157,7 +157,7 @@ def write_profile(path: Path, **changes: Any) -> Path:
 def test_profile_replaces_modelled_stage_times(tmp_path: Path) -> None:
     profile = load_profile(write_profile(tmp_path / "profile.json"))
     spec = JobSpec(model("deepseek_moe"), plan(), cluster(),
-                   parse_precision("bf16-master", cluster()), profile=profile)
+                   precision_spec("bf16-master", cluster()), profile=profile)
     calibrated = build_job(spec)
     assert calibrated.cluster.device_to_host_gbps == 100
     for stage in calibrated.time.stages:
@@ -188,7 +188,7 @@ def test_profile_must_match_the_simulated_plan(tmp_path: Path) -> None:
     two_stages = [{"forward_s": 0.1, "backward_s": 0.2}] * 2
     profile = load_profile(write_profile(tmp_path / "p.json", stages=two_stages, pp=2))
     spec = JobSpec(model("deepseek_moe"), plan(), cluster(),
-                   parse_precision("bf16-master", cluster()), profile=profile)
+                   precision_spec("bf16-master", cluster()), profile=profile)
     with pytest.raises(ConfigError, match=r"sim\.profile=.*2 stage\(s\) but the plan has pp=12"):
         build_job(spec)
     with pytest.raises(ConfigError, match="no such profile file"):

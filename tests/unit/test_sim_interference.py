@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.planning.schedule import plan_window
-from lightning_moe_ckpt.sim import ClusterSpec, JobSpec, ParallelPlan, SimJob, build_job
+from lightning_moe_ckpt.sim import ClusterSpec, JobPlan, JobSpec, SimJob, build_job
 from lightning_moe_ckpt.sim.calibration import Calibration
 from lightning_moe_ckpt.sim.dense_policies import (
     checkfreq_persist_s,
@@ -29,7 +29,7 @@ from lightning_moe_ckpt.sim.dense_policies import (
     plan_checkfreq,
 )
 from lightning_moe_ckpt.sim.ettr import analytic_ettr
-from lightning_moe_ckpt.sim.inputs import parse_precision
+from lightning_moe_ckpt.sim.inputs import precision_spec
 from lightning_moe_ckpt.sim.moevement import plan_moevement
 from lightning_moe_ckpt.sim.partial_policies import MoCPolicy, MoCState, partial_bytes
 from lightning_moe_ckpt.sim.popularity import alpha_for_skew
@@ -53,9 +53,9 @@ def job(name: str = "deepseek_moe", pp: int = 12, dp: int = 1, ep: int = 8,
         virtual_stages: int = 1) -> SimJob:
     model = MoEModelConfig.from_mapping(
         OmegaConf.to_container(OmegaConf.load(CONF_DIR / f"model/{name}.yaml")))
-    plan = ParallelPlan(pp=pp, dp=dp, ep=ep, global_batch=512, micro_batch=32, seq_len=2048,
+    plan = JobPlan(pp=pp, dp=dp, ep=ep, global_batch=512, micro_batch=32, seq_len=2048,
                         virtual_stages=virtual_stages)
-    spec = JobSpec(model, plan, cluster(), parse_precision("bf16-master", cluster()),
+    spec = JobSpec(model, plan, cluster(), precision_spec("bf16-master", cluster()),
                    popularity_alpha=alpha, popularity_seed=3, restart_s=5.0,
                    calibration=calibration)
     return build_job(spec)

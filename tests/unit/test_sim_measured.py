@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models.config import MoEModelConfig
-from lightning_moe_ckpt.sim import ClusterSpec, JobSpec, ParallelPlan, SimJob, build_job
+from lightning_moe_ckpt.sim import ClusterSpec, JobPlan, JobSpec, SimJob, build_job
 from lightning_moe_ckpt.sim.ettr import ettr_formula
-from lightning_moe_ckpt.sim.inputs import parse_precision
+from lightning_moe_ckpt.sim.inputs import precision_spec
 from lightning_moe_ckpt.sim.measured import (
     CalibratedPolicy,
     MeasuredRun,
@@ -38,14 +38,14 @@ def tiny_job(with_profile: bool = True) -> SimJob:
                                        name="cpu")
     model = MoEModelConfig.from_mapping(
         OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model/tiny.yaml")))
-    plan = ParallelPlan(pp=1, dp=1, ep=1, global_batch=16, micro_batch=8, seq_len=64)
+    plan = JobPlan(pp=1, dp=1, ep=1, global_batch=16, micro_batch=8, seq_len=64)
     profile = None
     if with_profile:
         from lightning_moe_ckpt.sim.profile import parse_profile
         profile = parse_profile(profile_document([(0.01, 0.02)], model="tiny", pp=1,
                                                  microbatches=2, iteration_s=0.07,
                                                  optimizer_s=0.005, grad_sync_s=0.0))
-    return build_job(JobSpec(model, plan, cluster, parse_precision("32", cluster), replicas=0,
+    return build_job(JobSpec(model, plan, cluster, precision_spec("32", cluster), replicas=0,
                              profile=profile))
 
 

@@ -14,8 +14,8 @@ from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim import (
     ClusterSpec,
+    JobPlan,
     JobSpec,
-    ParallelPlan,
     SimJob,
     analytic_ettr,
     build_job,
@@ -25,7 +25,7 @@ from lightning_moe_ckpt.sim import (
     trace_ettr,
 )
 from lightning_moe_ckpt.sim.calibration import Calibration
-from lightning_moe_ckpt.sim.inputs import parse_precision
+from lightning_moe_ckpt.sim.inputs import precision_spec
 from lightning_moe_ckpt.sim.partial_policies import MoCPolicy, MoCState
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -38,10 +38,10 @@ def job(name: str, pp: int, dp: int) -> SimJob:
                                        name="a100")
     model = MoEModelConfig.from_mapping(
         OmegaConf.to_container(OmegaConf.load(CONF / f"model/{name}.yaml")))
-    plan = ParallelPlan(pp=pp, dp=dp, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
+    plan = JobPlan(pp=pp, dp=dp, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
     # Paper-calibrated: MoC's slow snapshot path, persists and restart.
     calibration = Calibration.from_mapping(OmegaConf.load(CONF / "sim/paper.yaml").calibration)
-    return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster),
+    return build_job(JobSpec(model, plan, cluster, precision_spec("bf16-master", cluster),
                              calibration=calibration))
 
 

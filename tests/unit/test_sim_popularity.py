@@ -13,13 +13,13 @@ from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim import (
     ClusterSpec,
+    JobPlan,
     JobSpec,
-    ParallelPlan,
     SimJob,
     build_job,
     make_policy,
 )
-from lightning_moe_ckpt.sim.inputs import parse_precision
+from lightning_moe_ckpt.sim.inputs import precision_spec
 from lightning_moe_ckpt.sim.partial_policies import MoCPolicy, unsaved_tokens
 from lightning_moe_ckpt.sim.popularity import (
     alpha_for_skew,
@@ -38,8 +38,8 @@ def deepseek_job(alpha: float | None) -> SimJob:
                                        name="a100")
     model = MoEModelConfig.from_mapping(
         OmegaConf.to_container(OmegaConf.load(CONF / "model/deepseek_moe.yaml")))
-    plan = ParallelPlan(pp=12, dp=1, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
-    return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster),
+    plan = JobPlan(pp=12, dp=1, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
+    return build_job(JobSpec(model, plan, cluster, precision_spec("bf16-master", cluster),
                              popularity_alpha=alpha, popularity_seed=3))
 
 

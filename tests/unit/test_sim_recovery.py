@@ -12,16 +12,16 @@ from omegaconf import OmegaConf
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim import (
     ClusterSpec,
+    JobPlan,
     JobSpec,
-    ParallelPlan,
     SimJob,
     build_job,
     make_policy,
 )
 from lightning_moe_ckpt.sim.calibration import Calibration
-from lightning_moe_ckpt.sim.inputs import parse_precision
+from lightning_moe_ckpt.sim.inputs import precision_spec
 from lightning_moe_ckpt.sim.moevement import stage_schedules
-from lightning_moe_ckpt.sim.recovery import global_rollback, localized_replay
+from lightning_moe_ckpt.sim.recovery import global_rollback_model, localized_replay_model
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 PLANS = {"gpt_moe": (3, 4, 8), "qwen_moe": (6, 2, 8), "deepseek_moe": (12, 1, 8),
@@ -35,15 +35,15 @@ def paper_job(name: str) -> SimJob:
     model = MoEModelConfig.from_mapping(
         OmegaConf.to_container(OmegaConf.load(CONF / f"model/{name}.yaml")))
     pp, dp, ep = PLANS[name]
-    plan = ParallelPlan(pp=pp, dp=dp, ep=ep, global_batch=512, micro_batch=32, seq_len=2048)
+    plan = JobPlan(pp=pp, dp=dp, ep=ep, global_batch=512, micro_batch=32, seq_len=2048)
     # The paper-calibrated job (conf/sim/paper.yaml): the comparison below is the paper's.
     calibration = Calibration.from_mapping(OmegaConf.load(CONF / "sim/paper.yaml").calibration)
-    return build_job(JobSpec(model, plan, cluster, parse_precision("bf16-master", cluster),
+    return build_job(JobSpec(model, plan, cluster, precision_spec("bf16-master", cluster),
                              calibration=calibration))
 
 
 def test_localized_replay_bounds_and_mean_for_a_known_window() -> None:
-    model = localized_replay([4], [40.0], [8.0], [5.0], restart_s=1.0)
+    model = localized_replay_model([4], [40.0], [8.0], [5.0], restart_s=1.0)
     assert model.iteration_bounds == (4.0, 8.0)
     assert model.expected_iterations == pytest.approx(6.0)  # 1.5 W
     assert model.expected_s == pytest.approx(5.0 + 1.0 + 40.0 + 0.5 * 4 * 8.0)
@@ -80,7 +80,7 @@ def test_dense_rollback_is_global_and_about_half_the_interval(policy: str) -> No
 
 
 def test_global_rollback_expected_time_is_load_plus_half_the_interval() -> None:
-    model = global_rollback(iteration_s=3.0, interval=40, load_s=7.0, restart_s=2.0)
+    model = global_rollback_model(iteration_s=3.0, interval=40, load_s=7.0, restart_s=2.0)
     assert model.expected_s == pytest.approx(7.0 + 2.0 + 0.5 * 40 * 3.0)
     assert model.iteration_bounds == (0.0, 40.0)
 

@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.models.transformer import MoETransformer
-from lightning_moe_ckpt.sim import ClusterSpec, JobSpec, ParallelPlan, build_job, comm
-from lightning_moe_ckpt.sim.inputs import PRECISIONS, parse_precision
-from lightning_moe_ckpt.sim.schedule import find_window, order_operators
+from lightning_moe_ckpt.sim import ClusterSpec, JobPlan, JobSpec, build_job, comm
+from lightning_moe_ckpt.sim.inputs import PRECISIONS, precision_spec
+from lightning_moe_ckpt.sim.schedule import find_window, ordered_costs
 from lightning_moe_ckpt.sim.workload import build_operators, split_stages
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -64,7 +64,7 @@ def test_scale_configs_have_their_labelled_sizes() -> None:
         cfg = MoEModelConfig.from_mapping(entry["model"])
         total = sum(op.numel for op in build_operators(cfg, PRECISIONS["bf16-master"], 2048))
         assert total / 1e9 == pytest.approx(float(entry["label"].rstrip("B")), rel=0.01)
-        plan = ParallelPlan.from_mapping(entry["plan"], "sim.scale")
+        plan = JobPlan.from_mapping(entry["plan"], "sim.scale")
         plan.check_model(cfg, "sim.scale")
 
 
@@ -93,7 +93,7 @@ def test_flops_follow_parameter_counts_and_routing() -> None:
 def test_stage_split_is_contiguous_and_optimal() -> None:
     cfg = model("small")
     ops = build_operators(cfg, PRECISIONS["bf16-master"], 128)
-    plan = ParallelPlan(pp=3, dp=1, ep=2, global_batch=8, micro_batch=2, seq_len=128)
+    plan = JobPlan(pp=3, dp=1, ep=2, global_batch=8, micro_batch=2, seq_len=128)
     stages = split_stages(ops, plan, cfg.n_layers)
     assert [layer for s in stages for layer in s.layers] == list(range(cfg.n_layers))
     assert stages[0].operators[0].kind == "embed" and stages[-1].operators[-1].kind == "head"
@@ -119,7 +119,7 @@ def test_algorithm_1_window_size() -> None:
     # Full coverage: every operator's master state is captured exactly once per window.
     order = schedule.order
     assert sorted(op.name for op in order) == sorted(op.name for op in ops)
-    assert order == order_operators(ops)
+    assert order == ordered_costs(ops)
     first = len(schedule.turns[0])
     expected_first = (sum(op.master_state_bytes for op in order[:first])
                       + sum(op.compute_bytes for op in order[first:])) / ranks
@@ -133,7 +133,7 @@ def test_algorithm_1_window_size() -> None:
 def test_popular_operators_are_checkpointed_last() -> None:
     ops = build_operators(model("small"), PRECISIONS["bf16-master"], 128,
                           shares=np.tile(np.linspace(1, 16, 16) / 136, (8, 1)))
-    order = order_operators(ops)
+    order = ordered_costs(ops)
     activations = [op.activation for op in order]
     assert activations == sorted(activations)
     assert all(op.kind != "expert" for op in order[-5:])  # non-experts see every token
@@ -141,9 +141,9 @@ def test_popular_operators_are_checkpointed_last() -> None:
 
 def test_iteration_time_is_the_1f1b_formula() -> None:
     cluster = a100()
-    plan = ParallelPlan(pp=6, dp=2, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
+    plan = JobPlan(pp=6, dp=2, ep=8, global_batch=512, micro_batch=32, seq_len=2048)
     job = build_job(JobSpec(model("qwen_moe"), plan, cluster,
-                            parse_precision("bf16-master", cluster)))
+                            precision_spec("bf16-master", cluster)))
     time = job.time
     assert time.pipeline_s == pytest.approx((16 + 6 - 1) * time.slot_s)
     assert time.iteration_s == pytest.approx(time.pipeline_s + time.sync_s + time.update_s)
@@ -159,5 +159,5 @@ def test_alpha_beta_collectives() -> None:
     small, large = (comm.all_reduce_s(m, across, cluster) for m in (1e6, 2e6))
     alpha = comm.all_reduce_s(1e-9, across, cluster)
     assert large - alpha == pytest.approx(2 * (small - alpha), rel=1e-6)
-    plan = ParallelPlan(pp=4, dp=1, ep=4, global_batch=8, micro_batch=4, seq_len=16)
+    plan = JobPlan(pp=4, dp=1, ep=4, global_batch=8, micro_batch=4, seq_len=16)
     assert [comm.boundary_crosses_node(s, plan, cluster) for s in range(3)] == [False, True, False]

@@ -15,7 +15,7 @@ from lightning_moe_ckpt.replication import slot_placement
 from lightning_moe_ckpt.replication.replica_store import ReplicaStore
 from lightning_moe_ckpt.replication.shared_slots import SlotRing
 from lightning_moe_ckpt.replication.slot_placement import SlotPlacement, encode_in_slot
-from lightning_moe_ckpt.snapshots.capture import SnapshotEngine
+from lightning_moe_ckpt.snapshots.capture import SnapshotCapture
 from lightning_moe_ckpt.snapshots.checksum import bytes_checksum, raw_bytes
 from lightning_moe_ckpt.snapshots.codec import (
     CorruptCheckpointError,
@@ -49,7 +49,7 @@ def _captured(engine: TrainingEngine) -> list[torch.Tensor]:
     return tensors
 
 
-def _taken(snapshots: SnapshotEngine, plan: Plan, placement: SlotPlacement | None,
+def _taken(snapshots: SnapshotCapture, plan: Plan, placement: SlotPlacement | None,
            metadata: dict | None = None) -> Snapshot:
     snapshot = snapshots.issue(plan, metadata or {"step": plan.iteration},  # type: ignore[arg-type]
                                placement)
@@ -61,7 +61,7 @@ def _taken(snapshots: SnapshotEngine, plan: Plan, placement: SlotPlacement | Non
 def test_a_placed_snapshot_decodes_to_the_bits_of_the_replication_encoding() -> None:
     engine = _engine()
     names = tuple(engine.registry.names)
-    snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cpu"))
+    snapshots = SnapshotCapture(engine.registry, engine.state, 0, torch.device("cpu"))
     placement = SlotPlacement(SlotRing())
     metadata = {"step": 4, "rng": torch.get_rng_state()}
     snapshot = _taken(snapshots, round_robin(names, 4, 3), placement, metadata)
@@ -107,7 +107,7 @@ def test_a_flipped_bit_anywhere_in_a_placed_piece_is_refused(position: float, bi
 
 
 _ENGINE = _engine()
-_SNAPSHOTS = SnapshotEngine(_ENGINE.registry, _ENGINE.state, 0, torch.device("cpu"))
+_SNAPSHOTS = SnapshotCapture(_ENGINE.registry, _ENGINE.state, 0, torch.device("cpu"))
 
 
 def test_a_header_that_outgrows_its_room_is_copied_into_another_slot(
@@ -115,7 +115,7 @@ def test_a_header_that_outgrows_its_room_is_copied_into_another_slot(
     monkeypatch.setattr(slot_placement, "_HEADER_ROOM", 8)  # far too small for any header
     engine = _engine()
     names = tuple(engine.registry.names)
-    snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cpu"))
+    snapshots = SnapshotCapture(engine.registry, engine.state, 0, torch.device("cpu"))
     ring = SlotRing()
     placement = SlotPlacement(ring)
     metadata = {"big": torch.zeros(1 << 23, dtype=torch.uint8)}  # an 8 MiB header
@@ -162,7 +162,7 @@ def test_no_slot_a_peer_holds_is_rewritten_and_memory_stays_bounded(lag_windows:
     engine = _engine()
     names = tuple(engine.registry.names)
     pool = HostBufferPool(pin_memory=False)
-    snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cpu"), pool)
+    snapshots = SnapshotCapture(engine.registry, engine.state, 0, torch.device("cpu"), pool)
     store = SnapshotStore(pool, replicas=1)
     ring = SlotRing()
     placement = SlotPlacement(ring)

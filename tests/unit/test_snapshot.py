@@ -14,7 +14,7 @@ from lightning_moe_ckpt.core.optimizer_state import OptimizerStateAccess
 from lightning_moe_ckpt.core.precision import PRECISIONS, Precision
 from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.core.target import StepHooks
-from lightning_moe_ckpt.snapshots.capture import SnapshotEngine
+from lightning_moe_ckpt.snapshots.capture import SnapshotCapture
 from lightning_moe_ckpt.snapshots.checksum import tensor_checksum
 from lightning_moe_ckpt.snapshots.snapshot import (
     HostBufferPool,
@@ -59,7 +59,7 @@ def _live(engine: TrainingEngine, operator: str, kind: str) -> dict[str, torch.T
 def test_slow_copy_never_holds_post_step_values(precision: Precision) -> None:
     engine = _engine(precision)
     registry = engine.registry
-    snapshots = SnapshotEngine(registry, engine.state, rank=0, device=torch.device("cpu"),
+    snapshots = SnapshotCapture(registry, engine.state, rank=0, device=torch.device("cpu"),
                                copy_delay_s=0.05)
     engine.hooks.append(_WaitHook(snapshots))
     names = registry.names
@@ -84,7 +84,7 @@ def test_slow_copy_never_holds_post_step_values(precision: Precision) -> None:
 
 
 class _WaitHook(StepHooks):
-    def __init__(self, snapshots: SnapshotEngine) -> None:
+    def __init__(self, snapshots: SnapshotCapture) -> None:
         self.snapshots = snapshots
 
     def before_optimizer_step(self, step: int) -> None:
@@ -108,7 +108,7 @@ def test_a_failed_copy_is_raised_in_the_training_threads_wait(
     raises, naming the rank, and the snapshot stays unchecksummed (unusable)."""
     engine = _engine("32")
     engine.train_iteration(*_batch(0))
-    snapshots = SnapshotEngine(engine.registry, engine.state, rank=3,
+    snapshots = SnapshotCapture(engine.registry, engine.state, rank=3,
                                device=torch.device("cpu"))
 
     def fail(job: object, checksum: bool) -> None:
@@ -133,7 +133,7 @@ def test_a_checksum_failing_after_some_pieces_leaves_none_checksummed(
     leaves the whole snapshot without checksums, not half of it with them."""
     engine = _engine("32")
     engine.train_iteration(*_batch(0))
-    snapshots = SnapshotEngine(engine.registry, engine.state, rank=3,
+    snapshots = SnapshotCapture(engine.registry, engine.state, rank=3,
                                device=torch.device("cpu"))
     calls = []
     checksum = snapshots.checksums.checksum
@@ -165,7 +165,7 @@ def test_an_interrupted_copy_stays_unchecksummed_once_the_failure_is_handled(
     the copy thread, which checksums on CPU, goes on to checksum it."""
     engine = _engine("32")
     engine.train_iteration(*_batch(0))
-    snapshots = SnapshotEngine(engine.registry, engine.state, rank=0,
+    snapshots = SnapshotCapture(engine.registry, engine.state, rank=0,
                                device=torch.device("cpu"), checksum_thread=checksum_thread)
     assert len(snapshots._threads) == (2 if checksum_thread else 1)
     names = tuple(engine.registry.names)
@@ -200,7 +200,7 @@ def test_hand_offs_run_once_checksummed_in_issue_order(
     were issued; one registered after the checksums runs at once, on the caller's thread."""
     engine = _engine("32")
     engine.train_iteration(*_batch(0))
-    snapshots = SnapshotEngine(engine.registry, engine.state, rank=0,
+    snapshots = SnapshotCapture(engine.registry, engine.state, rank=0,
                                device=torch.device("cpu"), checksum_thread=checksum_thread)
     release = threading.Event()
     copy = snapshots._copy
@@ -241,7 +241,7 @@ def test_buffers_are_reused_and_store_keeps_two_windows() -> None:
     engine = _engine("32")
     registry = engine.registry
     pool = HostBufferPool(pin_memory=False)
-    snapshots = SnapshotEngine(registry, engine.state, 0, torch.device("cpu"), pool)
+    snapshots = SnapshotCapture(registry, engine.state, 0, torch.device("cpu"), pool)
     store = SnapshotStore(pool, replicas=0)
     released: list[int] = []
     store.release_listeners.append(released.append)
@@ -298,7 +298,7 @@ def test_copy_lists_are_reused_and_follow_replaced_tensors(replace: object) -> N
     engine = _engine("bf16-master")
     names = tuple(engine.registry.names)
     pool = HostBufferPool(pin_memory=False)
-    snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cpu"), pool)
+    snapshots = SnapshotCapture(engine.registry, engine.state, 0, torch.device("cpu"), pool)
     engine.train_iteration(*_batch(0))
     plans = [Plan(i, names[i::2], names[i + 1::2], 0, i, 2) for i in range(2)]
     for step in range(1, 5):
@@ -332,7 +332,7 @@ def test_a_reordered_plan_reuses_each_operators_layout() -> None:
     are put together from the layouts already built, and copy what the plan asks for."""
     engine = _engine("bf16-master")
     names = tuple(engine.registry.names)
-    snapshots = SnapshotEngine(engine.registry, engine.state, 0, torch.device("cpu"),
+    snapshots = SnapshotCapture(engine.registry, engine.state, 0, torch.device("cpu"),
                                HostBufferPool(pin_memory=False))
     engine.train_iteration(*_batch(0))
     orders = [names, names[::-1], names[1:] + names[:1]]
@@ -368,7 +368,7 @@ def test_module_buffers_are_held_as_of_issue_while_the_copy_runs_behind() -> Non
     model(tokens).float().square().mean().backward()
     optimizer.step()
     registry = OperatorRegistry(model)
-    snapshots = SnapshotEngine(registry, OptimizerStateAccess(optimizer), rank=0,
+    snapshots = SnapshotCapture(registry, OptimizerStateAccess(optimizer), rank=0,
                                device=torch.device("cpu"), copy_delay_s=0.2)
     names = tuple(registry.names)
     held = {op.name: {b.snapshot_key: b.tensor.clone() for b in op.buffers}
@@ -427,7 +427,7 @@ def test_a_non_contiguous_source_is_copied_tensor_by_tensor() -> None:
     optimizer.step()
     registry = OperatorRegistry(model)
     access = OptimizerStateAccess(optimizer)
-    snapshots = SnapshotEngine(registry, access, rank=0, device=torch.device("cpu"))
+    snapshots = SnapshotCapture(registry, access, rank=0, device=torch.device("cpu"))
     names = tuple(registry.names)
     snapshot = snapshots.issue(Plan(0, names, (), 0, 0, 1), {})  # type: ignore[arg-type]
     copies = snapshots.copy_list(Plan(0, names, (), 0, 0, 1))  # type: ignore[arg-type]

@@ -70,7 +70,7 @@ def run(precision: Precision, fail_at: int | None, steps: int = STEPS,
     losses, report = [], None
     for step in range(steps):
         if step == fail_at:
-            coordinator.snapshots.wait_copies()  # no copy may read the garbage
+            coordinator.capture.wait_copies()  # no copy may read the garbage
             destroy(engine)
             assert all(torch.isnan(p).all() for p in engine.model.parameters())
             report = recover_from_store(coordinator, failed_step=step)

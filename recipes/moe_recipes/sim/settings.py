@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim.calibration import NEUTRAL, Calibration
-from lightning_moe_ckpt.sim.inputs import ClusterSpec, ParallelPlan, parse_precision
+from lightning_moe_ckpt.sim.inputs import ClusterSpec, JobPlan, precision_spec
 from lightning_moe_ckpt.sim.job import JobSpec, SimJob, build_job
 from lightning_moe_ckpt.sim.policies import PolicySettings, check_policy_names
 from lightning_moe_ckpt.sim.popularity import parse_popularity
@@ -134,8 +134,8 @@ def make_job(model: MoEModelConfig, plan_values: Mapping[str, Any], settings: Si
     defaults to ``sim.batch``); ``use_profile=False`` ignores ``sim.profile`` (jobs other
     than the profiled one, such as the scale study's)."""
     require(isinstance(plan_values, Mapping), f"{key} must be a mapping with pp, dp, ep")
-    plan = ParallelPlan.from_mapping({**settings.batch, **plan_values}, key)
-    precision = parse_precision(settings.precision, cluster)
+    plan = JobPlan.from_mapping({**settings.batch, **plan_values}, key)
+    precision = precision_spec(settings.precision, cluster)
     alpha = parse_popularity(settings.popularity, model.n_experts)
     spec = JobSpec(model=model, plan=plan, cluster=cluster, precision=precision,
                    replicas=settings.replicas, popularity_alpha=alpha,

@@ -53,7 +53,7 @@ class PlannerProfiling(StepHooks):
         self.profiler.begin()
         if self.profiler.done:
             copy = measure_bandwidth(BANDWIDTH_PROBE_BYTES, self.device)
-            checksums = self.coordinator.snapshots.checksums
+            checksums = self.coordinator.capture.checksums
             checksum = checksums.measure(max(BANDWIDTH_PROBE_BYTES,
                                              2 * checksums.threads * checksums.chunk_bytes))
             # A snapshot is taken once copied and checksummed. On CUDA the copy engine and

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
@@ -39,10 +39,7 @@ from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks.durable_checkpoints import DurableCheckpoints
 from lightning_moe_ckpt.callbacks.planner_profiling import PlannerProfiling
-from lightning_moe_ckpt.checkpointing.coordinator import (
-    CheckpointCoordinator,
-    require_paired_blocks,
-)
+from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
 from lightning_moe_ckpt.core.operators import OperatorOverride
 from lightning_moe_ckpt.core.rng import restore_rng, rng_state
 from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
@@ -94,9 +91,10 @@ class SparseCheckpointing(L.Callback, StepHooks):
     persisted window and keeps the newest ``durable_keep`` of them. Each snapshot goes to
     ``replicas`` peers, on other nodes first; a peer on this node maps the snapshot's shared
     memory (``same_node_replicas="shared"``: it outlives this process, and no bytes are
-    copied) or receives a copy (``"copied"``). ``paired_blocks=N`` is a measurement, not
-    a setting for protected training: snapshots are taken in alternate blocks of N steps
-    only (:mod:`~lightning_moe_ckpt.checkpointing.coordinator`). ``helper_nice`` is added to
+    copied) or receives a copy (``"copied"``). ``window_filter`` (an attribute, None by
+    default) may leave out whole windows: it is asked at each window's first step with its
+    plan (a measurement's knob, e.g. the bench's paired blocks; a window left out protects
+    nothing). ``helper_nice`` is added to
     the nice value of the threads that copy, checksum, replicate and write snapshots, so
     that on shared cores they yield to the training threads
     (:mod:`~lightning_moe_ckpt.snapshots.helper_threads`; 0: the same priority).
@@ -111,7 +109,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
                  top_k: int | None = None,
                  router_parser: RouterParser | None = None,
                  same_node_replicas: str = "shared", checksum_threads: int | None = None,
-                 paired_blocks: int | None = None, helper_nice: int = DEFAULT_HELPER_NICE,
+                 helper_nice: int = DEFAULT_HELPER_NICE,
                  **options: Any) -> None:
         known = setting_options(policy)  # raises for an unknown policy
         unknown = sorted(set(options) - known)
@@ -125,7 +123,6 @@ class SparseCheckpointing(L.Callback, StepHooks):
         require(isinstance(upstream_logging, bool),
                 f"{fmt('checkpoint.upstream_logging', upstream_logging)} must be True or False")
         require_checksum_threads(checksum_threads)
-        require_paired_blocks(paired_blocks)
         require_helper_nice(helper_nice)
         require(same_node_replicas in SAME_NODE_REPLICAS,
                 f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
@@ -136,7 +133,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self.same_node_replicas = same_node_replicas
         self.warmup_iterations = warmup_iterations
         self.checksum_threads = checksum_threads  # None: the rank's share of the cores
-        self.paired_blocks = paired_blocks  # a measurement: snapshots in alternate blocks
+        # Asked at each window's first step whether to take it (None: every window).
+        self.window_filter: Callable[[CapturePlan], bool] | None = None
         self.helper_nice = helper_nice  # added to the helper threads' nice value
         self.options = options
         self.coordinator: CheckpointCoordinator | None = None
@@ -175,7 +173,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         registry = target.registry
         unmatched = registry.unmatched_patterns if target.layout.pp == 1 else []
         if unmatched:  # the whole model is on every rank: a typo, not another stage's part
-            example = next(iter(registry)).pieces[0].param_name
+            example = next(iter(registry)).parts[0].param_name
             raise ConfigError(f"operators pattern(s) {', '.join(map(repr, unmatched))} match "
                               f"no parameter of the model (names look like {example!r}); "
                               "fix or drop them")
@@ -203,16 +201,17 @@ class SparseCheckpointing(L.Callback, StepHooks):
         before = target.step - 1
         self.durable.start_at(target.step)
         initial = CapturePlan(before, tuple(registry.names), (), before, 0, 1, None)
-        persist_dir = None
+        disk_dir = None
         if self.policy == "checkfreq":  # CheckFreq persists its dense snapshots to disk
-            persist_dir = f"{self.durable.directory or 'checkfreq'}/checkfreq/rank{rank:05d}"
+            disk_dir = f"{self.durable.directory or 'checkfreq'}/checkfreq/rank{rank:05d}"
         self.target = target
         self.coordinator = CheckpointCoordinator(
             target, planner, rank, world_size, self.replicas, ranks_per_node, device,
             copy_delay_s, initial_plan=initial if take_initial else None,
-            persist_dir=persist_dir, share_same_node=self.same_node_replicas == "shared",
-            checksum_threads=self.checksum_threads, paired_blocks=self.paired_blocks,
+            disk_dir=disk_dir, share_same_node=self.same_node_replicas == "shared",
+            checksum_threads=self.checksum_threads,
             helper_nice=self.helper_nice)
+        self.coordinator.window_filter = self.window_filter
         if target.batch_log is not None:
             self.coordinator.store.release_listeners.append(target.batch_log.release_before)
         if self.upstream_log is not None and target.layout.pp > 1:
@@ -310,14 +309,14 @@ class SparseCheckpointing(L.Callback, StepHooks):
     def step_values(self) -> dict[str, float]:
         """Per-step values for the loggers."""
         coordinator = self.coordinator
-        if coordinator is None or not coordinator.bytes_per_step:
+        if coordinator is None or not coordinator.measured.bytes_per_step:
             return {}
         replicator = coordinator.replicator
         return {
-            "checkpoint/snapshot_bytes": float(coordinator.bytes_per_step[-1]),
-            "checkpoint/stall_ms": 1e3 * (coordinator.stall_per_step[-1]
-                                          if coordinator.stall_per_step else 0.0),
-            "checkpoint/window": float(coordinator.current_window or 0),
+            "checkpoint/snapshot_bytes": float(coordinator.measured.bytes_per_step[-1]),
+            "checkpoint/stall_ms": 1e3 * (coordinator.measured.stall_per_step[-1]
+                                          if coordinator.measured.stall_per_step else 0.0),
+            "checkpoint/window": float(coordinator.measured.current_window or 0),
             "checkpoint/reorders": float(coordinator.planner.reorders),
             "checkpoint/replication_lag": float(replicator.lag if replicator else 0),
             "checkpoint/host_bytes": float(coordinator.store.host_bytes()),

@@ -1,4 +1,4 @@
-"""Per-rank checkpoint coordinator: planner, snapshot engine, store and replication.
+"""Per-rank checkpoint coordinator: planner, snapshot capture, store and replication.
 
 The coordinator is a step hook of the rank's
 :class:`~lightning_moe_ckpt.core.target.TrainingTarget` (the built-in engine, a user's
@@ -20,42 +20,43 @@ planner's ``capacity_factors()`` (MoEtion's boost for stale experts) are handed 
 layers after every step, as device tensors (no host sync), where the target supports capacity
 factors.
 
-A diagnostic, ``paired_blocks=N`` (``checkpoint.paired_blocks``), takes snapshots only in
-alternate blocks of about N steps (whole windows: the block is decided at each window's
-first step), so that one run compares steps with and without snapshots on the same
-processes, seconds rather than minutes apart (``recipes/bench.py --paired-blocks``). The
-windows taken are complete, checksummed and replicated as usual; between them the newest
-persisted window ages by up to N steps more.
+A :attr:`~CheckpointCoordinator.window_filter` (None by default) may leave out whole
+windows: it is asked at each window's first step, and a window it refuses is not taken at
+all (the bench's paired blocks take snapshots in alternate blocks of steps this way; the
+windows taken are complete, checksummed and replicated as usual, and between them the
+newest persisted window ages).
 
-Recovery sees the coordinator through its public surface: :meth:`drain`,
-:meth:`lose_host_state`, :meth:`restart`, the store, the replicator and the target.
+Recovery sees the coordinator through
+:class:`~lightning_moe_ckpt.recovery.side.CheckpointSide`, its verbs.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import statistics
 import time
 import warnings
-from array import array
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_moe_ckpt.checkpointing.metrics import CheckpointMetrics
 from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
-from lightning_moe_ckpt.errors import fmt, require
 from lightning_moe_ckpt.planning.schedule import specs_from_registry
-from lightning_moe_ckpt.replication.replicator import Replicator
-from lightning_moe_ckpt.replication.retention import RetainingReplicaStore, RetainingSnapshotStore
-from lightning_moe_ckpt.snapshots.capture import SnapshotEngine
+from lightning_moe_ckpt.replication.replicator import Replicator, replica_peers
+from lightning_moe_ckpt.replication.retention import (
+    RetainedSaves,
+    RetainingReplicaStore,
+    RetainingSnapshotStore,
+)
+from lightning_moe_ckpt.snapshots.capture import SnapshotCapture
 from lightning_moe_ckpt.snapshots.checksum import default_threads
-from lightning_moe_ckpt.snapshots.disk import DiskPersister
+from lightning_moe_ckpt.snapshots.disk import DiskWriter
 from lightning_moe_ckpt.snapshots.helper_threads import DEFAULT_HELPER_NICE, require_helper_nice
-from lightning_moe_ckpt.snapshots.snapshot import HostBufferPool
+from lightning_moe_ckpt.snapshots.snapshot import HostBufferPool, Snapshot
 from lightning_moe_ckpt.snapshots.store import SnapshotStore
 
 if TYPE_CHECKING:
@@ -64,35 +65,26 @@ if TYPE_CHECKING:
 log = logging.getLogger("lightning_moe_ckpt")
 
 
-def require_paired_blocks(blocks: object) -> None:
-    """Refuse a ``checkpoint.paired_blocks`` that is neither None (off) nor an integer >= 1."""
-    require(blocks is None or (isinstance(blocks, int) and not isinstance(blocks, bool)
-                               and blocks >= 1),
-            f"{fmt('checkpoint.paired_blocks', blocks)} must be an integer >= 1 (steps per "
-            "block; or null: a snapshot at every step the policy plans one)")
-
-
 class CheckpointCoordinator(StepHooks):
     """Drives sparse (or dense) snapshots of one rank around its optimizer steps."""
 
     def __init__(self, target: TrainingTarget, planner: Planner, rank: int, world_size: int,
                  replicas: int, ranks_per_node: int, device: torch.device,
                  copy_delay_s: float = 0.0, initial_plan: CapturePlan | None = None,
-                 persist_dir: str | None = None, share_same_node: bool = True,
+                 disk_dir: str | None = None, share_same_node: bool = True,
                  checksum_threads: int | None = None,
-                 paired_blocks: int | None = None,
                  helper_nice: int = DEFAULT_HELPER_NICE) -> None:
-        require_paired_blocks(paired_blocks)
         require_helper_nice(helper_nice)
         self.target = target
-        self.paired_blocks = paired_blocks
         self.helper_nice = helper_nice  # added to the helper threads' nice value
-        self._in_snapshot_block = True  # paired_blocks: whether the current window is taken
+        # Asked at each window's first step whether to take that window (None: take all).
+        self.window_filter: Callable[[CapturePlan], bool] | None = None
+        self._taking_window = True
         self.planner = planner
         self.rank = rank
         self.world_size = world_size
         self.pool = HostBufferPool(pin_memory=device.type == "cuda")
-        self.snapshots = SnapshotEngine(target.registry, target.state, rank, device,
+        self.capture = SnapshotCapture(target.registry, target.state, rank, device,
                                         self.pool, copy_delay_s,
                                         checksum_threads=(checksum_threads
                                                           or default_threads(ranks_per_node)),
@@ -101,18 +93,18 @@ class CheckpointCoordinator(StepHooks):
         self._acks: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         acknowledge = lambda start, step: self._acks.put((start, step))  # noqa: E731
         # A snapshot persists by replication to peers, or (CheckFreq) by a write to disk.
-        self.persister = (DiskPersister(persist_dir, acknowledge, helper_nice=helper_nice)
-                          if persist_dir else None)
+        self.disk = (DiskWriter(disk_dir, acknowledge, helper_nice=helper_nice)
+                          if disk_dir else None)
         # Partial restores need every operator's newest save, however old.
         partial = planner.restore_rule == "partial_restore"
         store_type = RetainingSnapshotStore if partial else SnapshotStore
-        self.store = store_type(self.pool, 1 if self.persister else effective)
+        self.store = store_type(self.pool, 1 if self.disk else effective)
         self._replication_args = (effective, ranks_per_node, acknowledge)
         self.share_same_node = share_same_node
         self.replicator = (Replicator(effective, ranks_per_node, acknowledge,
                                       RetainingReplicaStore() if partial else None,
                                       share_same_node, helper_nice)
-                           if effective > 0 and self.persister is None else None)
+                           if effective > 0 and self.disk is None else None)
         self.replica_store = None if self.replicator is None else self.replicator.replicas
         # Deterministic placement, recorded in metrics.json, with the peers (on this node)
         # that map this rank's snapshots rather than copy them.
@@ -121,32 +113,16 @@ class CheckpointCoordinator(StepHooks):
                                       else sorted(self.replicator.mapping_peers))
         self._slot_bytes_before = 0  # peaks of the replicators before a re-formed group's
         self._replication_cpu_s_before = 0.0  # CPU time of those replicators' threads
-        # Typed arrays: 8 bytes a step, where a list holds a Python number object per step.
-        self.bytes_per_step: array[int] = array("q")
-        self.stall_per_step: array[float] = array("d")
-        self.windows_seen: set[int] = set()
-        self.current_window: int | None = None
+        self.measured = CheckpointMetrics(target.registry.names)  # counters, for metrics
         self.profile: dict[str, float] | None = None
         # Called when every rank starts its warm-up profiling over (restart_profiling).
         self.profiling_restarts: list[Callable[[], None]] = []
         self._snapshot_taken = False
         self._specs_measured = False
         self.paused_forward_backward = 0  # set by a localized recovery this rank sat out
-        self.max_replication_lag = 0
         self._replication_error_reported: BaseException | None = None  # warned of once
-        self.snapshots_taken = 0
-        self.snapshots_confirmed = 0  # replicated to every peer (or written to disk)
-        # Full coverage (invariant 2), counted as it happens: master captures of the
-        # window in progress, and windows whose every local operator had exactly one.
-        self._window_masters: Counter[str] = Counter()
-        self._local_names = tuple(target.registry.names)
-        self.windows_covered = 0
-        self.windows_not_covered = 0  # by design for the partial baselines
         self._period_s: float | None = None
         self._last_step_end: float | None = None
-        # The training thread's CPU time in the two step hooks (planning, issuing, the
-        # store): with the copy and replication threads', a snapshot's whole CPU cost.
-        self.hooks_cpu_s = 0.0
         target.hooks.append(self)
         if initial_plan is not None:
             self._take(initial_plan, result=None)
@@ -154,12 +130,12 @@ class CheckpointCoordinator(StepHooks):
     @override
     def before_optimizer_step(self, step: int) -> None:
         started = time.thread_time()  # a wait for the copies is no CPU time
-        stall = self.snapshots.wait_copies()
-        self.stall_per_step.append(stall)
+        stall = self.capture.wait_copies()
+        self.measured.stall_per_step.append(stall)
         if self._snapshot_taken and self._period_s:
             # Dense policies adapt their interval to the measured cost of a snapshot.
             self.planner.record_overhead(self._period_s, stall)
-        self.hooks_cpu_s += time.thread_time() - started
+        self.measured.hooks_cpu_s += time.thread_time() - started
 
     @override
     def after_optimizer_step(self, step: int, result: StepResult) -> None:
@@ -175,27 +151,21 @@ class CheckpointCoordinator(StepHooks):
             self.planner.observe(step, result.expert_load, result.soft_load)
         self.apply_capacity_factors()
         plan = self.planner.plan(step)
-        if plan is not None and self.paired_blocks is not None:
-            plan = self._paired_block_plan(plan)
+        if plan is not None and self.window_filter is not None:
+            if plan.window_index == 0:  # whole windows: decided where one starts
+                self._taking_window = self.window_filter(plan)
+            plan = plan if self._taking_window else None
         taken = self._take(plan, result) if plan is not None else 0
         self._snapshot_taken = plan is not None
-        self.bytes_per_step.append(taken)
+        self.measured.bytes_per_step.append(taken)
         self.drain_acks()
         self.store.refresh()
         if self.replicator is not None:
-            self.max_replication_lag = max(self.max_replication_lag, self.replicator.lag)
+            self.measured.replication_lag(self.replicator.lag)
             error = self.replicator.error
             if error is not None and error is not self._replication_error_reported:
                 self._report_replication_stopped(error)
-        self.hooks_cpu_s += time.thread_time() - started
-
-    def _paired_block_plan(self, plan: CapturePlan) -> CapturePlan | None:
-        """``plan`` inside a block that takes snapshots, None inside one that does not;
-        blocks switch only where a window starts, so every window taken is whole."""
-        assert self.paired_blocks is not None
-        if plan.window_index == 0:
-            self._in_snapshot_block = (plan.iteration // self.paired_blocks) % 2 == 0
-        return plan if self._in_snapshot_block else None
+        self.measured.hooks_cpu_s += time.thread_time() - started
 
     def _report_replication_stopped(self, error: BaseException) -> None:
         """Say once that replication stopped: the windows taken from now on persist on no
@@ -229,28 +199,14 @@ class CheckpointCoordinator(StepHooks):
         # store lets go of whole snapshots; the engine places host copies only.
         placement = (None if replicator is None or self.store.keeps_released_pieces
                      else replicator.placement)
-        snapshot = self.snapshots.issue(plan, self._metadata(plan, result), placement)
+        snapshot = self.capture.issue(plan, self._metadata(plan, result), placement)
         self.store.add(snapshot)
-        self.snapshots_taken += 1
-        self._count_coverage(plan)
-        self.current_window = plan.window
-        self.windows_seen.add(plan.window_start)
+        self.measured.snapshot_taken(plan)
         if self.replicator is not None:
             self.replicator.submit(snapshot)
-        if self.persister is not None:
-            self.persister.submit(snapshot)
+        if self.disk is not None:
+            self.disk.submit(snapshot)
         return snapshot.nbytes
-
-    def _count_coverage(self, plan: CapturePlan) -> None:
-        if plan.window_index == 0:
-            self._window_masters.clear()
-        self._window_masters.update(plan.master)
-        if plan.window_index == plan.window - 1:  # once per window
-            counts = self._window_masters  # C-level loops: no bytecode per operator
-            if all(map((1).__eq__, map(counts.__getitem__, self._local_names))):
-                self.windows_covered += 1
-            else:
-                self.windows_not_covered += 1
 
     def _metadata(self, plan: CapturePlan, result: StepResult | None) -> dict[str, Any]:
         clip = None if result is None or result.clip_coef is None else result.clip_coef
@@ -259,7 +215,7 @@ class CheckpointCoordinator(StepHooks):
             "window_index": plan.window_index, "window": plan.window,
             "schedule": plan.schedule, "data_position": plan.iteration + 1,
             **self.target.schedule_state(),
-            # On a GPU the snapshot engine copies it to the host with the pieces (no sync).
+            # On a GPU the snapshot capture copies it to the host with the pieces (no sync).
             "clip_coef": None if clip is None else clip.detach(),
             "lr": None if result is None else result.lr,
         }
@@ -271,18 +227,92 @@ class CheckpointCoordinator(StepHooks):
                 start, step = self._acks.get_nowait()
             except queue.Empty:
                 return
-            self.snapshots_confirmed += 1
+            self.measured.snapshots_confirmed += 1
             self.store.mark_replicated(start, step)
+
+    def wait_copies(self) -> None:
+        """Every issued snapshot copy finished: nothing reads the live state any more."""
+        self.capture.wait_copies()
 
     def drain(self) -> None:
         """Recovery prologue: every copy issued before the failure finished and was
-        checksummed, replication caught up, confirmed windows promoted."""
-        self.snapshots.wait_copies()
-        self.snapshots.wait_checksums()  # and handed to replication and persistence
+        checksummed, replication (or the disk) caught up, confirmed windows promoted."""
+        self.capture.wait_copies()
+        self.capture.wait_checksums()  # and handed to replication and the disk
         if self.replicator is not None:
             self.replicator.drain()
+        if self.disk is not None:
+            self.disk.drain()
         self.drain_acks()
         self.store.refresh()
+
+    @property
+    def persisted_start(self) -> int | None:
+        """The start of this rank's newest persisted window (None: none persisted)."""
+        return self.store.persisted_start
+
+    def persisted_window(self) -> tuple[int, list[Snapshot]] | None:
+        """This rank's newest persisted window: its start and its snapshots."""
+        record = self.store.persisted()
+        return None if record is None else (record.start, list(record.snapshots.values()))
+
+    def persisted_window_starts(self) -> list[int]:
+        """Starts of the windows this rank's store holds persisted, ascending."""
+        return sorted(start for start, record in self.store.windows.items()
+                      if record.persisted)
+
+    def own_window(self, start: int) -> list[Snapshot] | None:
+        """This rank's snapshots of window ``start`` when its store holds it complete."""
+        record = self.store.windows.get(start)
+        if record is None or not record.complete:
+            return None
+        return list(record.snapshots.values())
+
+    def keep_only(self, start: int) -> None:
+        """Free every window of this rank's store but ``start``."""
+        self.store.discard_except(start)
+
+    def held_window_starts(self) -> set[int]:
+        """Windows this rank holds anything of: its own and its peers' replicas."""
+        held = set(self.store.windows)
+        if self.replicator is not None:
+            held |= self.replicator.held_window_starts()
+        return held
+
+    @property
+    def keeps_replicas(self) -> bool:
+        """Whether this rank's snapshots have replica peers."""
+        return self.replicator is not None
+
+    def fetch_window(self, source: int, start: int,
+                     exclude: Iterable[int]) -> dict[int, dict[str, Any]]:
+        """Rank ``source``'s window ``start`` from its first live replica peer not in
+        ``exclude`` whose copy is intact, decoded and verified (collective)."""
+        if self.replicator is None:
+            raise RuntimeError("fetch_window needs replica peers (checkpoint.replicas > 0)")
+        return self.replicator.fetch_window(source, start, exclude=tuple(exclude))
+
+    def retained_saves(self) -> RetainedSaves:
+        """The partial baselines' stores: this rank's, and what it holds for its peers."""
+        replicator = self.replicator
+        replicas = None if replicator is None else replicator.replicas
+        if not isinstance(self.store, RetainingSnapshotStore) or not (
+                replicas is None or isinstance(replicas, RetainingReplicaStore)):
+            raise TypeError(f"checkpoint={self.planner.name} keeps no retained saves: only "
+                            "a policy whose restore_rule is partial_restore does")
+
+        def holders(source: int) -> list[int]:
+            if replicator is None:
+                return []
+            return replica_peers(source, replicator.world_size, replicator.replica_count,
+                                 replicator.ranks_per_node)
+
+        def group() -> dist.ProcessGroup:
+            if replicator is None:
+                raise RuntimeError("no replication group: checkpoint.replicas is 0")
+            return replicator.live_group()
+
+        return RetainedSaves(self.store, replicas, holders, group)
 
     def restart_profiling(self) -> None:
         """Start the warm-up profiling over (every rank at once, after a recovery that
@@ -298,9 +328,11 @@ class CheckpointCoordinator(StepHooks):
         self.planner.set_profile(profile["iteration_time_s"], profile["bandwidth_bytes_per_s"])
 
     def lose_host_state(self) -> None:
-        """What a dead worker's host memory held is gone: its snapshots and the replicas
-        it held for its peers."""
+        """What a dead worker's host memory held is gone: its snapshots, the saves it
+        retained and the replicas it held for its peers."""
         self.store.discard_all()
+        if isinstance(self.store, RetainingSnapshotStore):
+            self.store.clear_saves()
         if self.replicator is not None:
             self.replicator.replicas.clear()
             self.replicator.abandon_slots()  # in a live process: the peers' copies stay intact
@@ -339,24 +371,24 @@ class CheckpointCoordinator(StepHooks):
 
     def flush(self) -> None:
         """Wait for outstanding copies and replication; promote what persisted."""
-        self.snapshots.wait_copies()
-        self.snapshots.wait_checksums()  # and handed to replication and persistence
+        self.capture.wait_copies()
+        self.capture.wait_checksums()  # and handed to replication and persistence
         if self.replicator is not None:
-            self.max_replication_lag = max(self.max_replication_lag, self.replicator.lag)
+            self.measured.replication_lag(self.replicator.lag)
             self.replicator.close()
             self.replicator.abandon_slots()
             self._slot_bytes_before = self.slot_bytes_peak()
             self._replication_cpu_s_before = self.replication_cpu_s()
             self.replicator = None
-        if self.persister is not None:
-            self.persister.close()
+        if self.disk is not None:
+            self.disk.close()
         self.drain_acks()
         self.store.refresh()
 
     def close(self) -> None:
         """Flush and stop background threads."""
         self.flush()
-        self.snapshots.close()
+        self.capture.close()
 
     def slot_bytes_peak(self) -> int:
         """Most shared memory this rank's encoded snapshots occupied (for mapping peers)."""
@@ -374,18 +406,12 @@ class CheckpointCoordinator(StepHooks):
                                                                                window_start)
 
     def metrics(self, train_seconds: float) -> dict[str, Any]:
-        """Checkpoint figures for ``metrics.json``."""
-        stall_s = sum(self.stall_per_step)
-        steps = max(1, len(self.bytes_per_step))
+        """Checkpoint figures for ``metrics.json``: the counters it reported, and what its
+        store, buffers, replication and capture hold and did."""
+        steps = self.measured.steps
         return {
             "checkpoint_policy": self.planner.name,
-            "checkpoint_overhead_pct": 100.0 * stall_s / train_seconds if train_seconds else 0.0,
-            "stall_ms": 1e3 * stall_s,
-            "stall_ms_per_step": [1e3 * s for s in self.stall_per_step],
-            "snapshot_bytes_per_iter": sum(self.bytes_per_step) / steps,
-            "snapshot_bytes_median": statistics.median(self.bytes_per_step or [0]),
-            "window": self.current_window,
-            "windows_taken": len(self.windows_seen),
+            **self.measured.report(train_seconds),
             "persisted_window_start": self.store.persisted_start,
             "host_snapshot_bytes_peak": self.store.peak_bytes,
             # Of those, in host buffers of the rank's own: snapshots placed in shared slots
@@ -396,33 +422,24 @@ class CheckpointCoordinator(StepHooks):
             "replica_mapped_bytes": (0 if self.replica_store is None
                                      else self.replica_store.mapped_nbytes()),
             "shared_slot_bytes_peak": self.slot_bytes_peak(),
-            "replication_lag_max": self.max_replication_lag,
             "replica_peers": self.replica_peers,
             "replica_peers_mapping": self.replica_peers_mapping,
             # This rank's checkpoint work, CPU ms per iteration: its threads' (the work they
             # take from training where cores are shared, steadier than wall-time ratios)
             # and the training thread's in the step hooks.
             "checkpoint_thread_cpu_ms_per_iter": {
-                "copy": 1e3 * (self.snapshots.worker_cpu_s
-                               + self.snapshots.checksums.pool_cpu_s) / steps,
+                "copy": 1e3 * (self.capture.worker_cpu_s
+                               + self.capture.checksums.pool_cpu_s) / steps,
                 "replication": 1e3 * self.replication_cpu_s() / steps,
-                "training_hooks": 1e3 * self.hooks_cpu_s / steps},
+                "training_hooks": 1e3 * self.measured.hooks_cpu_s / steps},
             # The behind-compute copies: their time (CUDA: side-stream events) and the
             # bandwidth they achieved, against the profile's measured copy bandwidth.
-            "snapshot_copy_ms_per_iter": 1e3 * self.snapshots.copy_s / steps,
-            "snapshot_copy_gbps": (self.snapshots.bytes_copied / self.snapshots.copy_s / 1e9
-                                   if self.snapshots.copy_s else None),
-            "checksum_threads": self.snapshots.checksums.threads,
+            "snapshot_copy_ms_per_iter": 1e3 * self.capture.copy_s / steps,
+            "snapshot_copy_gbps": (self.capture.bytes_copied / self.capture.copy_s / 1e9
+                                   if self.capture.copy_s else None),
+            "checksum_threads": self.capture.checksums.threads,
             "helper_nice": self.helper_nice,
-            "snapshots_taken": self.snapshots_taken,
-            "snapshots_replicated": self.snapshots_confirmed,
-            "pieces_issued": self.snapshots.pieces_issued,
-            "pieces_checksummed": self.snapshots.pieces_checksummed,
-            "windows_covered": self.windows_covered,
-            "windows_not_covered": self.windows_not_covered,
-            "persisted_files": [] if self.persister is None else self.persister.written[-2:],
-            # paired_blocks: which steps took a snapshot, for the bench to pair them.
-            **({} if self.paired_blocks is None
-               else {"paired_blocks": self.paired_blocks,
-                     "snapshot_taken_per_step": [int(b > 0) for b in self.bytes_per_step]}),
+            "pieces_issued": self.capture.pieces_issued,
+            "pieces_checksummed": self.capture.pieces_checksummed,
+            "persisted_files": [] if self.disk is None else self.disk.written[-2:],
         }

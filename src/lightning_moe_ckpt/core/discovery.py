@@ -47,7 +47,7 @@ from lightning_moe_ckpt.core.operators import (
     Operator,
     OperatorKind,
     OperatorOverride,
-    Piece,
+    Part,
     expert_position,
     persistent_buffers,
 )
@@ -56,7 +56,7 @@ from lightning_moe_ckpt.errors import ConfigError
 _SHARED = frozenset({"shared_expert", "shared_experts", "shared_expert_gate"})
 _ROUTER = frozenset({"gate", "router"})
 
-Assignment = tuple[str, OperatorKind, int | None, int | None, Piece]
+Assignment = tuple[str, OperatorKind, int | None, int | None, Part]
 
 
 class ShardedExperts:
@@ -179,10 +179,10 @@ def _inside_block(block: str, layer: int, rest: str, param: nn.Parameter,
     if name in fused:
         prefix = ".".join([block, *rest.split(".")[:-1]])
         count, first = fused[name]
-        return [(f"{prefix}.{first + e}", "expert", layer, first + e, Piece(name, param, e))
+        return [(f"{prefix}.{first + e}", "expert", layer, first + e, Part(name, param, e))
                 for e in range(count)]
     operator, kind, expert = _block_operator(block, rest)
-    return [(operator, kind, layer, expert, Piece(name, param))]
+    return [(operator, kind, layer, expert, Part(name, param))]
 
 
 def _block_operator(block: str, rest: str) -> tuple[str, OperatorKind, int | None]:
@@ -235,21 +235,21 @@ def discover_operators(model: nn.Module,
             located = expert_position(chosen)
             kind: OperatorKind = "expert" if located else "other"
             assignments.append((chosen, kind, located[0] if located else None,
-                                located[1] if located else None, Piece(name, param)))
+                                located[1] if located else None, Part(name, param)))
             continue
         if container is not None and name.startswith(f"{container}."):
             key, _, rest = name[len(container) + 1:].partition(".")
             assignments += _inside_block(f"{container}.{key}", int(key), rest, param, name,
                                          fused)
         elif isinstance(owners.get(name), nn.Embedding) and position < first:
-            assignments.append(("embed", "embed", None, None, Piece(name, param)))
+            assignments.append(("embed", "embed", None, None, Part(name, param)))
         elif position > last and in_blocks and _is_head_layer(owners.get(name)):
-            assignments.append(("head", "head", None, None, Piece(name, param)))
+            assignments.append(("head", "head", None, None, Part(name, param)))
         else:
             raise _unclaimed(name)
-    grouped: dict[str, tuple[OperatorKind, int | None, int | None, list[Piece]]] = {}
-    for operator, kind, layer, expert, piece in assignments:
-        grouped.setdefault(operator, (kind, layer, expert, []))[3].append(piece)
+    grouped: dict[str, tuple[OperatorKind, int | None, int | None, list[Part]]] = {}
+    for operator, kind, layer, expert, part in assignments:
+        grouped.setdefault(operator, (kind, layer, expert, []))[3].append(part)
     kinds = {kind for kind, _, _, _ in grouped.values()}
     if "gate" in kinds and "expert" not in kinds:
         warnings.warn(
@@ -259,8 +259,8 @@ def discover_operators(model: nn.Module,
             "name them with SparseCheckpointing(..., operators=...)", UserWarning,
             stacklevel=3)
     buffers = _assign_buffers(model, container, assignments, claim, set(grouped))
-    return [Operator(name, kind, layer, expert, tuple(pieces), tuple(buffers.get(name, ())))
-            for name, (kind, layer, expert, pieces) in grouped.items()]
+    return [Operator(name, kind, layer, expert, tuple(parts), tuple(buffers.get(name, ())))
+            for name, (kind, layer, expert, parts) in grouped.items()]
 
 
 def _assign_buffers(model: nn.Module, container: str | None, assignments: list[Assignment],
@@ -272,8 +272,8 @@ def _assign_buffers(model: nn.Module, container: str | None, assignments: list[A
     with some). Which operator holds a buffer does not matter for exactness, only that
     one always does."""
     by_module: dict[str, set[str]] = {}  # module path -> operators of its subtree
-    for operator, _, _, _, piece in assignments:
-        path = piece.param_name
+    for operator, _, _, _, part in assignments:
+        path = part.param_name
         while path:
             path = path.rpartition(".")[0]
             by_module.setdefault(path, set()).add(operator)

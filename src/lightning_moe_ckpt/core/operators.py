@@ -1,6 +1,6 @@
-"""Operator registry: the units of sparse checkpointing, their pieces and active/frozen state.
+"""Operator registry: the units of sparse checkpointing, their parts and active/frozen state.
 
-An operator is a named set of **pieces**; a piece is a whole parameter, or one slice of a
+An operator is a named set of **parts**; a part is a whole parameter, or one slice of a
 parameter along its expert dimension (dim 0 of a fused expert tensor such as
 ``mlp.experts.gate_up_proj`` of shape ``[E, ...]``). Which parameters (and slices) form
 which operator is decided by the discovery rules of
@@ -10,9 +10,9 @@ override. Names come from parameter names, which stay identical in every paralle
 so the registry of a pipeline stage or an expert-parallel shard uses the same names as the
 full model and simply lists fewer operators.
 
-Freezing an operator: a whole-parameter piece gets ``requires_grad=False`` (autograd skips
+Freezing an operator: a whole-parameter part gets ``requires_grad=False`` (autograd skips
 its weight-gradient GEMM, still propagates input gradients, and the optimizer skips it); a
-slice piece is held by :class:`FrozenSlices`, which puts the slice's weights and
+slice part is held by :class:`FrozenSlices`, which puts the slice's weights and
 optimizer state back after every optimizer step (zero gradients are not enough: AdamW
 moves zero-gradient slices through weight decay and its moments). A fused parameter whose
 slices are all frozen gets ``requires_grad=False`` too.
@@ -56,7 +56,7 @@ def is_expert_parameter(param_name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Piece:
+class Part:
     """A whole parameter (``index is None``) or its slice ``index`` along dim 0."""
 
     param_name: str
@@ -65,21 +65,21 @@ class Piece:
 
     @property
     def key(self) -> str:
-        """Name of the piece inside a snapshot (unique per rank)."""
+        """Name of the part inside a snapshot (unique per rank)."""
         return self.param_name if self.index is None else f"{self.param_name}[{self.index}]"
 
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The piece's part of ``tensor`` (a tensor shaped like the parameter)."""
+        """The part's part of ``tensor`` (a tensor shaped like the parameter)."""
         return tensor if self.index is None else tensor[self.index]
 
     @property
     def numel(self) -> int:
-        """Number of elements of the piece."""
+        """Number of elements of the part."""
         return self.view(self.param).numel()
 
     @property
     def compute_bytes(self) -> int:
-        """Bytes of the piece's compute weights (the parameter's dtype)."""
+        """Bytes of the part's compute weights (the parameter's dtype)."""
         return self.numel * self.param.element_size()
 
 
@@ -140,33 +140,33 @@ class OperatorBytes:
 
 @dataclass(frozen=True)
 class Operator:
-    """One checkpointable unit and the pieces it owns."""
+    """One checkpointable unit and the parts it owns."""
 
     name: str
     kind: OperatorKind
     layer: int | None
     expert: int | None
-    pieces: tuple[Piece, ...]
+    parts: tuple[Part, ...]
     buffers: tuple[BufferRef, ...] = ()  # in every snapshot piece of the operator
 
     @property
     def params(self) -> tuple[tuple[str, nn.Parameter], ...]:
         """The parameters the operator touches (whole, even where it owns a slice)."""
         seen: dict[str, nn.Parameter] = {}
-        for piece in self.pieces:
-            seen.setdefault(piece.param_name, piece.param)
+        for part in self.parts:
+            seen.setdefault(part.param_name, part.param)
         return tuple(seen.items())
 
     @property
     def numel(self) -> int:
         """Number of parameter elements the operator owns."""
-        return sum(piece.numel for piece in self.pieces)
+        return sum(part.numel for part in self.parts)
 
     @property
     def nbytes(self) -> OperatorBytes:
         """Compute bytes from the real tensors; master state at the nominal AdamW size
         (the simulator's sizing; the runtime measures the live optimizer instead)."""
-        compute = sum(piece.compute_bytes for piece in self.pieces) + self.buffer_bytes
+        compute = sum(part.compute_bytes for part in self.parts) + self.buffer_bytes
         return OperatorBytes(compute, self.numel * MASTER_WEIGHT_BYTES + self.buffer_bytes,
                              self.numel * OPTIMIZER_STATE_BYTES)
 

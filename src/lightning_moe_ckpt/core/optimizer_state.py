@@ -1,21 +1,21 @@
-"""Master state of operator pieces, read from and written to any torch optimizer.
+"""Master state of operator parts, read from and written to any torch optimizer.
 
 The master state of a parameter is its master weight (the parameter itself, or the fp32
 copy a :class:`~lightning_moe_ckpt.core.precision.MasterWeightOptimizer` keeps) plus every
 tensor in ``optimizer.state[master]`` (AdamW/Adam: ``exp_avg``, ``exp_avg_sq``, ``step``;
 SGD: ``momentum_buffer``; foreach and fused variants alike). State tensors shaped like the
-parameter are sliced with the piece; anything else (AdamW's scalar ``step``) is one value
-shared by the whole parameter and is stored whole, under ``<piece>/<field>/shared``, in
-every slice piece. Because all slices of a parameter advance together in the run being
+parameter are sliced with the part; anything else (AdamW's scalar ``step``) is one value
+shared by the whole parameter and is stored whole, under ``<part>/<field>/shared``, in
+every slice part. Because all slices of a parameter advance together in the run being
 reproduced, every slice of one snapshot carries the same shared value, and loading any of
 them restores it exactly.
 
-Snapshot tensor names: ``<piece key>`` for compute weights, ``<piece key>/master`` and
-``<piece key>/<field>`` for master state. Byte sizes come from the live tensors.
+Snapshot tensor names: ``<part key>`` for compute weights, ``<part key>/master`` and
+``<part key>/<field>`` for master state. Byte sizes come from the live tensors.
 
-A :class:`StateFingerprint` of some pieces tells, without Python work per tensor, whether
+A :class:`StateFingerprint` of some parts tells, without Python work per tensor, whether
 the tensors :meth:`OptimizerStateAccess.master_sources` and ``compute_sources`` returned
-are still the live ones: the snapshot engine reuses its copy lists while it matches.
+are still the live ones: the snapshot capture reuses its copy lists while it matches.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_moe_ckpt.core.operators import BufferRef, Piece
+from lightning_moe_ckpt.core.operators import BufferRef, Part
 from lightning_moe_ckpt.core.precision import MasterWeightOptimizer
 from lightning_moe_ckpt.errors import ConfigError
 
@@ -35,7 +35,7 @@ _SHARED = "/shared"
 
 
 class StateFingerprint:
-    """Identity of the tensors behind some pieces' sources, checked in C-level loops.
+    """Identity of the tensors behind some parts' sources, checked in C-level loops.
 
     Sources go stale when a parameter's or master's storage is replaced (``.data = ...``),
     when ``optimizer.state`` is replaced (``load_state_dict``), gains or loses an entry
@@ -45,14 +45,14 @@ class StateFingerprint:
     about 0.1 us per tensor (``map`` over builtins, no bytecode per tensor).
     """
 
-    def __init__(self, access: OptimizerStateAccess, pieces: Iterable[Piece],
+    def __init__(self, access: OptimizerStateAccess, parts: Iterable[Part],
                  buffers: Iterable[BufferRef] = ()) -> None:
         self.optimizer = access.optimizer
         self.state = access.optimizer.state
         self.entries = len(self.state)
         bases: dict[int, torch.Tensor] = {}
-        for piece in pieces:
-            for tensor in (piece.param, access.master(piece.param)):
+        for part in parts:
+            for tensor in (part.param, access.master(part.param)):
                 bases[id(tensor)] = tensor
         # A buffer the model reassigns (module.x = new tensor) is a new object in its
         # module's _buffers.
@@ -89,7 +89,7 @@ class StateFingerprint:
 
 
 class OptimizerStateAccess:
-    """Reads and restores master state of pieces in ``optimizer`` (any torch optimizer)."""
+    """Reads and restores master state of parts in ``optimizer`` (any torch optimizer)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -113,59 +113,59 @@ class OptimizerStateAccess:
         state = self.optimizer.state.get(master, {})
         return tensors + [v for v in state.values() if isinstance(v, torch.Tensor)]
 
-    def compute_sources(self, piece: Piece) -> dict[str, torch.Tensor]:
-        """Live compute weights of ``piece``."""
-        return {piece.key: piece.view(piece.param.detach())}
+    def compute_sources(self, part: Part) -> dict[str, torch.Tensor]:
+        """Live compute weights of ``part``."""
+        return {part.key: part.view(part.param.detach())}
 
-    def master_sources(self, piece: Piece) -> dict[str, torch.Tensor]:
-        """Live master weight and optimizer state of ``piece``."""
-        master = self.master(piece.param)
-        sources = {f"{piece.key}/master": piece.view(master.detach())}
+    def master_sources(self, part: Part) -> dict[str, torch.Tensor]:
+        """Live master weight and optimizer state of ``part``."""
+        master = self.master(part.param)
+        sources = {f"{part.key}/master": part.view(master.detach())}
         for field, value in self.optimizer.state.get(master, {}).items():
             if not isinstance(value, torch.Tensor):
                 raise ConfigError(
                     f"{type(self.optimizer).__name__} keeps optimizer.state[...][{field!r}]"
                     f" as {type(value).__name__}; sparse checkpointing needs tensor state")
-            if piece.index is not None and value.shape == master.shape:
-                sources[f"{piece.key}/{field}"] = piece.view(value)
-            elif piece.index is not None:
-                sources[f"{piece.key}/{field}{_SHARED}"] = value
+            if part.index is not None and value.shape == master.shape:
+                sources[f"{part.key}/{field}"] = part.view(value)
+            elif part.index is not None:
+                sources[f"{part.key}/{field}{_SHARED}"] = value
             else:
-                sources[f"{piece.key}/{field}"] = value
+                sources[f"{part.key}/{field}"] = value
         return sources
 
-    def master_state_bytes(self, piece: Piece) -> int:
-        """Bytes of the piece's master state as the optimizer holds it now."""
-        return sum(t.numel() * t.element_size() for t in self.master_sources(piece).values())
+    def master_state_bytes(self, part: Part) -> int:
+        """Bytes of the part's master state as the optimizer holds it now."""
+        return sum(t.numel() * t.element_size() for t in self.master_sources(part).values())
 
     @torch.no_grad()
-    def load_compute(self, piece: Piece, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Restore the piece's compute weights."""
-        piece.view(piece.param.data).copy_(tensors[piece.key])
+    def load_compute(self, part: Part, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Restore the part's compute weights."""
+        part.view(part.param.data).copy_(tensors[part.key])
 
     @torch.no_grad()
-    def load_master(self, piece: Piece, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Restore the piece's master weight (compute weights rounded from it) and its
-        optimizer state; a piece captured before the optimizer had state clears it."""
-        param, master = piece.param, self.master(piece.param)
-        piece.view(master.data).copy_(tensors[f"{piece.key}/master"])
+    def load_master(self, part: Part, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Restore the part's master weight (compute weights rounded from it) and its
+        optimizer state; a part captured before the optimizer had state clears it."""
+        param, master = part.param, self.master(part.param)
+        part.view(master.data).copy_(tensors[f"{part.key}/master"])
         if master is not param:
-            piece.view(param.data).copy_(piece.view(master.data))
-        prefix = f"{piece.key}/"
+            part.view(param.data).copy_(part.view(master.data))
+        prefix = f"{part.key}/"
         fields = {name[len(prefix):]: value for name, value in tensors.items()
-                  if name.startswith(prefix) and name != f"{piece.key}/master"}
+                  if name.startswith(prefix) and name != f"{part.key}/master"}
         if not fields:
             self.optimizer.state.pop(master, None)
             return
         state = self.optimizer.state.setdefault(master, {})
         for field, value in fields.items():
-            if field.endswith(_SHARED) or piece.index is None:
+            if field.endswith(_SHARED) or part.index is None:
                 name = field.removesuffix(_SHARED)
                 state[name] = self._placed(master, name, value, state.get(name))
                 continue
             if field not in state:
                 state[field] = torch.zeros(master.shape, dtype=value.dtype, device=master.device)
-            piece.view(state[field]).copy_(value)
+            part.view(state[field]).copy_(value)
 
     def _placed(self, master: torch.Tensor, name: str, value: torch.Tensor,
                 live: torch.Tensor | None) -> torch.Tensor:

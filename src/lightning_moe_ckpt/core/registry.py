@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from lightning_moe_ckpt.core.discovery import discover_operators, unmatched_patterns
-from lightning_moe_ckpt.core.operators import Operator, OperatorBytes, OperatorOverride, Piece
+from lightning_moe_ckpt.core.operators import Operator, OperatorBytes, OperatorOverride, Part
 
 
 class FrozenSlices:
-    """Frozen pieces an optimizer step must leave untouched, restored around the step.
+    """Frozen parts an optimizer step must leave untouched, restored around the step.
 
     Slices of fused parameters are always frozen this way; whole parameters only when
     the registry freezes by restore (``requires_grad`` cannot change under DDP, whose
@@ -41,17 +41,17 @@ class FrozenSlices:
     def __bool__(self) -> bool:
         return bool(self.frozen)
 
-    def set(self, piece: Piece, frozen: bool) -> None:
-        """Freeze (or activate) one piece."""
-        param, indices = self.frozen.setdefault(id(piece.param), (piece.param, set()))
-        (indices.add if frozen else indices.discard)(piece.index)
+    def set(self, part: Part, frozen: bool) -> None:
+        """Freeze (or activate) one part."""
+        param, indices = self.frozen.setdefault(id(part.param), (part.param, set()))
+        (indices.add if frozen else indices.discard)(part.index)
         if not indices:
             del self.frozen[id(param)]
 
-    def is_frozen(self, piece: Piece) -> bool:
-        """Whether ``piece`` is held frozen here."""
-        entry = self.frozen.get(id(piece.param))
-        return entry is not None and piece.index in entry[1]
+    def is_frozen(self, part: Part) -> bool:
+        """Whether ``part`` is held frozen here."""
+        entry = self.frozen.get(id(part.param))
+        return entry is not None and part.index in entry[1]
 
     def all_frozen(self, param: nn.Parameter) -> bool:
         """Whether every slice of a fused ``param`` is frozen."""
@@ -144,14 +144,14 @@ class OperatorRegistry:
                             f"pass [{names!r}]")
         touched: dict[int, nn.Parameter] = {}
         for name in names:
-            for piece in self[name].pieces:
-                if piece.index is None and not self.freeze_by_restore:
-                    self._hold(piece.param) if frozen else self._release(piece.param)
-                elif piece.index is None:
-                    self.frozen_slices.set(piece, frozen)
+            for part in self[name].parts:
+                if part.index is None and not self.freeze_by_restore:
+                    self._hold(part.param) if frozen else self._release(part.param)
+                elif part.index is None:
+                    self.frozen_slices.set(part, frozen)
                 else:
-                    self.frozen_slices.set(piece, frozen)
-                    touched[id(piece.param)] = piece.param
+                    self.frozen_slices.set(part, frozen)
+                    touched[id(part.param)] = part.param
         if self.freeze_by_restore:
             return  # requires_grad stays: every parameter keeps its gradient
         for param in touched.values():  # a fused tensor computes while any slice is active
@@ -178,9 +178,9 @@ class OperatorRegistry:
 
     def is_frozen(self, name: str) -> bool:
         """Whether the operator takes no optimizer update."""
-        return all(self.frozen_slices.is_frozen(piece)
-                   or (piece.index is None and not piece.param.requires_grad)
-                   for piece in self[name].pieces)
+        return all(self.frozen_slices.is_frozen(part)
+                   or (part.index is None and not part.param.requires_grad)
+                   for part in self[name].parts)
 
     def frozen(self) -> list[str]:
         """Names of the frozen operators."""

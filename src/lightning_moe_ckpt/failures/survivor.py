@@ -122,7 +122,7 @@ class PeerFailureHandler(StepHooks):
             log.warning("rank %d (%s, pid %d): recovering from generation %d at step %d",
                         self.job.rank, role, os.getpid(), self.job.generation,
                         self.target.step)
-            self.coordinator.snapshots.wait_copies()  # issued copies finish (survivor)
+            self.coordinator.wait_copies()  # issued copies finish (survivor)
             self.target.optimizer.zero_grad()  # the aborted iteration's partial gradients
             attempt = _Attempt(None if replacing else self.target.step, set(),
                                formed=replacing)  # a replacement formed its groups at launch

@@ -65,7 +65,7 @@ def specs_from_registry(registry: OperatorRegistry,
     for op in registry:
         nbytes = op.nbytes
         master_state = (nbytes.master_state if state is None else
-                        sum(state.master_state_bytes(piece) for piece in op.pieces)
+                        sum(state.master_state_bytes(part) for part in op.parts)
                         + op.buffer_bytes)
         share = popularity.get(op.name, expert_default) if op.kind == "expert" else 1.0
         specs.append(OperatorSpec(op.name, nbytes.compute, master_state, float(share)))

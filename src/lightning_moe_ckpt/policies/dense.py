@@ -40,7 +40,7 @@ _SWEEP_LIMIT = 1_000_000  # intervals beyond this many iterations are never usef
 IntervalAgreement = Callable[[int], int]  # this rank's k -> the k all ranks use
 
 
-def oracle_interval(mtbf_s: float, iteration_time_s: float, snapshot_time_s: float,
+def gemini_interval(mtbf_s: float, iteration_time_s: float, snapshot_time_s: float,
                     recovery_fixed_s: float = 0.0, max_interval: int | None = None) -> int:
     """Gemini's oracle: the ``k`` in ``1..max_interval`` with the highest analytic ETTR
     (ties: the shorter). ``max_interval`` defaults to one MTBF's worth of iterations."""
@@ -143,7 +143,7 @@ class GeminiPlanner(_DensePlanner):
         """A measured snapshot cost (stall per snapshot); re-runs the oracle sweep when ``k``
         is chosen for an MTBF. A fixed ``k`` stays."""
         if self.mtbf_s is not None:
-            self.interval = self._agreed(oracle_interval(
+            self.interval = self._agreed(gemini_interval(
                 self.mtbf_s, iteration_time_s, snapshot_time_s, self.recovery_fixed_s,
                 self.max_interval))
 

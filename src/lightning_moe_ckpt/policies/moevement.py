@@ -2,7 +2,7 @@
 
 Every policy answers the same question through the :class:`Planner` interface: after
 optimizer step ``t``, which operators' master state and which operators' compute weights
-go into the snapshot (a :class:`CapturePlan`), or none at all. The snapshot engine executes
+go into the snapshot (a :class:`CapturePlan`), or none at all. The snapshot capture executes
 plans without knowing the policy. Planners see the routers' telemetry through
 :meth:`Planner.observe`, called for iteration ``t`` *before* :meth:`Planner.plan` for
 ``t`` (the tokens of iteration ``t`` are in the state captured after step ``t``); the

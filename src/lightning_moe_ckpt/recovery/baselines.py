@@ -53,30 +53,26 @@ def recover_baseline(coordinator: CheckpointSide, failed_step: int,
         return partial_restore(coordinator, failed_step, failed_ranks)
     if world_size == 1:
         return recover_from_store(coordinator, failed_step)
-    if coordinator.persister is not None:
+    if coordinator.disk is not None:
         return disk_rollback(coordinator, failed_step, failed_ranks)
     return global_rollback(coordinator, failed_step, failed_ranks)
 
 
-def disk_rollback(coordinator: CheckpointSide, failed_step: int,
+def disk_rollback(side: CheckpointSide, failed_step: int,
                   failed_ranks: Iterable[int]) -> RecoveryReport:
     """CheckFreq: every rank rolls back to the newest dense snapshot all of them persisted
     to disk; survivors use their host copy, failed ranks read their own file (collective)."""
     started = time.perf_counter()
     failed = tuple(sorted(set(failed_ranks)))
     rank, world = dist.get_rank(), dist.get_world_size()
-    persister = coordinator.persister
-    assert persister is not None  # recover_baseline routes only disk-persisting runs here
-    coordinator.snapshots.wait_copies()
-    persister.drain()  # what was taken before the failure is on disk
-    coordinator.drain_acks()
-    coordinator.store.refresh()
+    disk = side.disk
+    assert disk is not None  # recover_baseline routes only disk-persisting runs here
+    side.drain()  # what was taken before the failure is on disk
     if rank in failed:  # host memory gone; the disk survives
-        coordinator.store.discard_all()
-        steps = persister.persisted_steps()
+        side.lose_host_state()
+        steps = disk.persisted_steps()
     else:
-        steps = sorted(start for start, record in coordinator.store.windows.items()
-                       if record.persisted)
+        steps = side.persisted_window_starts()
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, steps)
     common = set(everyone[0]).intersection(*everyone[1:])
@@ -89,13 +85,12 @@ def disk_rollback(coordinator: CheckpointSide, failed_step: int,
     error = None
     if rank in failed:
         try:
-            views = [decode_snapshot(persister.read(step))]
+            views = [decode_snapshot(disk.read(step))]
         except (OSError, CorruptCheckpointError) as exc:
             error = f"rank {rank}: {exc}"
     else:
         try:
-            views = [snapshot_view(s)
-                     for s in coordinator.store.windows[step].snapshots.values()]
+            views = [snapshot_view(s) for s in side.own_window(step) or ()]
         except CorruptCheckpointError as exc:  # reported by every rank alike, below
             error = f"rank {rank}: {exc}"
     errors: list[Any] = [None] * world
@@ -103,7 +98,7 @@ def disk_rollback(coordinator: CheckpointSide, failed_step: int,
     if any(errors):
         raise CorruptCheckpointError("; ".join(e for e in errors if e))
     fetched_at = time.perf_counter()
-    report = sparse_to_dense(coordinator.target, views, failed_step)
-    coordinator.restart(failed_step)
+    report = sparse_to_dense(side.target, views, failed_step)
+    side.restart(failed_step)
     report.phases_s["fetch"] = fetched_at - started
     return report

@@ -57,7 +57,7 @@ def agree_on_window(coordinator: CheckpointSide, failed: tuple[int, ...],
     if rank in failed:  # a dead worker's host memory is gone: snapshots and held replicas
         coordinator.lose_host_state()
     starts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(starts, coordinator.store.persisted_start)
+    dist.all_gather_object(starts, coordinator.persisted_start)
     live = sorted({s for s in starts if s is not None})
     if not live:
         raise CorruptCheckpointError("no surviving rank holds a persisted checkpoint")
@@ -79,12 +79,8 @@ def _candidate_windows(coordinator: CheckpointSide, persisted: list[int]) -> lis
     pace, so a lagging rank's persisted window may be one whose copies of a faster rank
     its holders already dropped, while every rank still holds a newer window complete.
     Then the older windows anyone still holds, newest first."""
-    replicator = coordinator.replicator
-    held = set(coordinator.store.windows)
-    if replicator is not None:
-        held |= replicator.held_window_starts()
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(held))
+    dist.all_gather_object(everyone, sorted(coordinator.held_window_starts()))
     anywhere = {start for starts in everyone for start in starts}
     lowest, highest = persisted[0], persisted[-1]
     newer = sorted({*persisted, *(s for s in anywhere if lowest < s < highest)})
@@ -96,14 +92,13 @@ def _window_views(coordinator: CheckpointSide, failed: tuple[int, ...], wants_wi
     """This rank's snapshots of window ``start``: from its own store when it still holds
     the window persisted, else from a replica peer (collective)."""
     rank = dist.get_rank()
-    replicator = coordinator.replicator
-    record = coordinator.store.windows.get(start)
+    own = coordinator.own_window(start) if wants_window else None
     local: list[SnapshotView] | None = None
     # A surviving rank's own complete window is intact whether or not its replica peers
     # filed all of it yet (checksums are verified below); a failed rank's store is empty.
-    if wants_window and record is not None and record.complete:
+    if own is not None:
         try:
-            local = [snapshot_view(s) for s in record.snapshots.values()]
+            local = [snapshot_view(s) for s in own]
         except CorruptCheckpointError:
             local = None  # a replica peer's intact copy replaces this rank's own
     needs: list[Any] = [None] * dist.get_world_size()
@@ -111,11 +106,11 @@ def _window_views(coordinator: CheckpointSide, failed: tuple[int, ...], wants_wi
     views: list[SnapshotView] | None = local
     for source, needed in enumerate(needs):
         if needed:
-            if replicator is None:
+            if not coordinator.keeps_replicas:
                 raise CorruptCheckpointError(
                     f"rank {source} lost the checkpoint window starting at {start} (or "
                     "holds it corrupt) and checkpoint.replicas=0 keeps no copy elsewhere")
-            fetched = replicator.fetch_window(source, start, exclude=failed)
+            fetched = coordinator.fetch_window(source, start, exclude=failed)
             if source == rank:
                 views = list(fetched.values())
     return views

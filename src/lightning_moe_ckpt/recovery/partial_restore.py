@@ -48,14 +48,18 @@ from lightning_moe_ckpt.recovery.sparse_to_dense import (
     RecoveryReport,
     load_piece,
 )
-from lightning_moe_ckpt.replication.replicator import replica_peers
-from lightning_moe_ckpt.replication.retention import RetainingReplicaStore, RetainingSnapshotStore
+from lightning_moe_ckpt.replication.retention import (
+    RetainedSaves,
+    RetainingReplicaStore,
+    RetainingSnapshotStore,
+)
 from lightning_moe_ckpt.snapshots.codec import (
     CorruptCheckpointError,
     decode_snapshot,
     split_pieces,
 )
 from lightning_moe_ckpt.snapshots.snapshot import SnapshotPiece
+from lightning_moe_ckpt.snapshots.wire import WireFormatError, dumps, loads
 
 Save = tuple[int, dict[str, Any]]  # (iteration, {"kind", "tensors"}) of one operator
 Restore = tuple[dict[str, Save], dict[str, Any]]  # saves by operator, SS_e's metadata
@@ -84,31 +88,11 @@ def _raise_if_any(error: str | None) -> None:
         raise CorruptCheckpointError("partial restore impossible: " + "; ".join(problems))
 
 
-def _stores(coordinator: CheckpointSide
-            ) -> tuple[RetainingSnapshotStore, RetainingReplicaStore | None]:
-    store, replicator = coordinator.store, coordinator.replicator
-    replicas = None if replicator is None else replicator.replicas
-    if not isinstance(store, RetainingSnapshotStore) or not (
-            replicas is None or isinstance(replicas, RetainingReplicaStore)):
-        raise TypeError("partial restore needs the retaining stores a partial planner gets "
-                        "(planner.restore_rule == 'partial_restore')")
-    return store, replicas
-
-
-def _drain(coordinator: CheckpointSide, forget: bool) -> None:
+def _drain(side: CheckpointSide, forget: bool) -> None:
     """Step 1: everything taken before the failure is copied, checksummed, replicated."""
-    store, replicas = _stores(coordinator)
-    coordinator.snapshots.wait_copies()
-    coordinator.snapshots.wait_checksums()
-    if coordinator.replicator is not None:
-        coordinator.replicator.drain()
-    coordinator.drain_acks()
-    store.refresh()
+    side.drain()
     if forget:  # a dead worker's host memory: snapshots, retained saves, held replicas
-        coordinator.store.discard_all()
-        store.clear_saves()
-        if replicas is not None:
-            replicas.clear()
+        side.lose_host_state()
 
 
 def _persisted_steps(store: RetainingSnapshotStore) -> list[int]:
@@ -120,18 +104,14 @@ def _persisted_steps(store: RetainingSnapshotStore) -> list[int]:
                   or (store.replicas == 0 and snapshot.checksummed.is_set()))
 
 
-def _holders(coordinator: CheckpointSide, source: int, failed: tuple[int, ...]) -> list[int]:
-    replicator = coordinator.replicator
-    if replicator is None:
-        return []
-    return [p for p in replica_peers(source, replicator.world_size, replicator.replica_count,
-                                     replicator.ranks_per_node) if p not in failed]
+def _holders(saves: RetainedSaves, source: int, failed: tuple[int, ...]) -> list[int]:
+    return [p for p in saves.holders(source) if p not in failed]
 
 
-def agree_on_step(coordinator: CheckpointSide, failed: tuple[int, ...]) -> int:
+def agree_on_step(saves: RetainedSaves, failed: tuple[int, ...]) -> int:
     """Step 2 (collective): the newest iteration every rank's snapshot persisted at."""
     rank, world = _world()
-    store, replicas = _stores(coordinator)
+    store, replicas = saves.store, saves.replicas
     own = _persisted_steps(store)
     held = {} if replicas is None else {
         source: max(step for steps in windows.values() for step in steps)
@@ -142,7 +122,7 @@ def agree_on_step(coordinator: CheckpointSide, failed: tuple[int, ...]) -> int:
         if source not in failed:
             frontiers[source] = reports[source][0]
             continue
-        copies = [reports[h][1][source] for h in _holders(coordinator, source, failed)
+        copies = [reports[h][1][source] for h in _holders(saves, source, failed)
                   if source in reports[h][1]]
         frontiers[source] = max(copies) if copies else None
     lost = [source for source, frontier in frontiers.items() if frontier is None]
@@ -214,6 +194,29 @@ def _bundle(replicas: RetainingReplicaStore, source: int, step: int) -> dict[str
     return {"base": base, "pieces": pieces}
 
 
+def _send_bundle(bundle: dict[str, Any], dst: int, group: dist.ProcessGroup) -> None:
+    """Send a bundle as wire-format bytes behind their length (never pickled)."""
+    data = torch.frombuffer(bytearray(dumps(bundle, "a partial restore bundle")),
+                            dtype=torch.uint8)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst, group=group)
+    dist.send(data, dst=dst, group=group)
+
+
+def _receive_bundle(src: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    """A bundle :func:`_send_bundle` sent, decoded by the wire format alone."""
+    length = torch.empty(1, dtype=torch.int64)
+    dist.recv(length, src=src, group=group)
+    data = torch.empty(int(length), dtype=torch.uint8)
+    dist.recv(data, src=src, group=group)
+    try:
+        bundle = loads(data.numpy().data)
+    except WireFormatError as error:
+        return {"error": f"the bundle from rank {src} does not decode: {error}"}
+    if not isinstance(bundle, dict):
+        return {"error": f"the bundle from rank {src} is not a bundle"}
+    return bundle
+
+
 def _unbundle(bundle: dict[str, Any], step: int) -> Restore | str:
     if "error" in bundle:
         return str(bundle["error"])
@@ -229,27 +232,21 @@ def _unbundle(bundle: dict[str, Any], step: int) -> Restore | str:
     return saves, base["metadata"]
 
 
-def _fetch(coordinator: CheckpointSide, failed: tuple[int, ...], step: int) -> Restore | None:
+def _fetch(saves: RetainedSaves, failed: tuple[int, ...], step: int) -> Restore | None:
     """Step 3 for failed ranks (collective): each receives its bundle from its first live
     replica peer whose copy is intact; returns this rank's restore if it is a failed one."""
     rank, _ = _world()
-    replicator = coordinator.replicator
     mine: Restore | None = None
     for source in failed:
         problems = []
-        holders = _holders(coordinator, source, failed)
+        holders = _holders(saves, source, failed)
         for holder in holders:
             outcome: Restore | str | None = None
-            assert replicator is not None  # _holders names peers only with a replicator
             if rank == holder:
-                replicas = replicator.replicas
-                assert isinstance(replicas, RetainingReplicaStore)
-                dist.send_object_list([_bundle(replicas, source, step)], dst=source,
-                                      group=replicator.live_group())
+                assert saves.replicas is not None  # holders exist only with replicas
+                _send_bundle(_bundle(saves.replicas, source, step), source, saves.group())
             elif rank == source:
-                box: list[Any] = [None]
-                dist.recv_object_list(box, src=holder, group=replicator.live_group())
-                outcome = _unbundle(box[0], step)
+                outcome = _unbundle(_receive_bundle(holder, saves.group()), step)
             verdicts = _gather(outcome if isinstance(outcome, str) else None)
             if verdicts[source] is None:
                 if rank == source:
@@ -284,13 +281,12 @@ def _load(engine: TrainingTarget, saves: dict[str, Save], metadata: dict[str, An
     return stale, None
 
 
-def _forget_saves(coordinator: CheckpointSide) -> None:
+def _forget_saves(saves: RetainedSaves) -> None:
     """The dense base snapshot taken next supersedes every older save, here and on the
     replica peers (and no save of the abandoned iterations may ever be restored)."""
-    store, replicas = _stores(coordinator)
-    store.clear_saves()
-    if replicas is not None:
-        replicas.clear()
+    saves.store.clear_saves()
+    if saves.replicas is not None:
+        saves.replicas.clear()
 
 
 def partial_restore(coordinator: CheckpointSide, failed_step: int,
@@ -302,12 +298,12 @@ def partial_restore(coordinator: CheckpointSide, failed_step: int,
     failed = tuple(sorted(set(failed_ranks)))
     # One process: its host memory survives a device failure.
     lost_host = world > 1 and rank in failed
-    store, _ = _stores(coordinator)
+    saves = coordinator.retained_saves()
     _drain(coordinator, forget=lost_host)
-    step = agree_on_step(coordinator, failed if world > 1 else ())
-    local = None if lost_host else _local_restore(store, rank, step)
+    step = agree_on_step(saves, failed if world > 1 else ())
+    local = None if lost_host else _local_restore(saves.store, rank, step)
     _raise_if_any(local if isinstance(local, str) else None)
-    fetched = _fetch(coordinator, failed, step) if world > 1 else None
+    fetched = _fetch(saves, failed, step) if world > 1 else None
     restore = fetched if lost_host else local
     assert restore is not None and not isinstance(restore, str)  # errors raised above
     fetched_at = time.perf_counter()
@@ -324,7 +320,7 @@ def partial_restore(coordinator: CheckpointSide, failed_step: int,
             report.forward_backward_calls += 1
     engine.resume_at(failed_step)
     report.phases_s["replay"] = time.perf_counter() - recomputing
-    _forget_saves(coordinator)
+    _forget_saves(saves)
     coordinator.restart(failed_step)  # the planner books the lost tokens here
     coordinator.apply_capacity_factors()
     planner = coordinator.planner

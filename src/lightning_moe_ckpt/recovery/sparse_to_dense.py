@@ -99,7 +99,7 @@ def load_piece(target: TrainingTarget, operator: str, piece: Mapping[str, Any]) 
     buffers either way."""
     load = target.state.load_compute if piece["kind"] == "compute" else target.state.load_master
     op = target.registry[operator]
-    for part in op.pieces:
+    for part in op.parts:
         load(part, piece["tensors"])
     for buffer in op.buffers:
         buffer.tensor.copy_(piece["tensors"][buffer.snapshot_key])
@@ -162,20 +162,20 @@ def _check_interrupt(report: RecoveryReport, stop_after: int | None) -> None:
         raise RecoveryInterrupted(report)
 
 
-def recover_from_store(coordinator: CheckpointSide,
-                       failed_step: int) -> RecoveryReport:
+def recover_from_store(side: CheckpointSide, failed_step: int) -> RecoveryReport:
     """Rollback of one process from its own store: drop the in-flight window (its host
     copies died with the failure), convert the newest persisted window and replay."""
     started = time.perf_counter()
-    coordinator.drain()
-    record = coordinator.store.persisted()
-    if record is None:
+    side.drain()
+    persisted = side.persisted_window()
+    if persisted is None:
         raise RuntimeError("no persisted checkpoint to recover from (not even the initial "
                            "state): was SparseCheckpointing attached before training?")
-    coordinator.store.discard_except(record.start)
-    views = [snapshot_view(s) for s in record.snapshots.values()]
+    start, snapshots = persisted
+    side.keep_only(start)
+    views = [snapshot_view(s) for s in snapshots]
     fetched = time.perf_counter()
-    report = sparse_to_dense(coordinator.target, views, failed_step)
-    coordinator.planner.on_recovery(failed_step)
+    report = sparse_to_dense(side.target, views, failed_step)
+    side.planner.on_recovery(failed_step)
     report.phases_s["fetch"] = fetched - started
     return report

@@ -257,10 +257,7 @@ class Replicator:
 
     def _fetch_from(self, holder: int, source: int,
                     window_start: int) -> dict[int, dict[str, Any]]:
-        box: list[Any] = [self.replicas.window(source, window_start)
-                          if self.rank == holder else None]
-        dist.broadcast_object_list(box, src=holder, group=self.live_group())
-        held: dict[int, torch.Tensor] = box[0]
+        held = self._broadcast_window(holder, source, window_start)
         snapshots = {step: decode_snapshot(data) for step, data in sorted(held.items())}
         if not snapshots:
             raise CorruptCheckpointError(f"checkpoint of rank {source}, window starting at "
@@ -268,6 +265,25 @@ class Replicator:
         window = next(iter(snapshots.values()))["window"]
         verify_window(snapshots, source, window_start, window, expected=lambda step: [])
         return snapshots
+
+    def _broadcast_window(self, holder: int, source: int,
+                          window_start: int) -> dict[int, torch.Tensor]:
+        """``holder``'s encoded snapshots of ``source``'s window, on every rank: as plain
+        tensors (how many, each one's step and length, then the bytes), never pickled."""
+        group = self.live_group()
+        held = self.replicas.window(source, window_start) if self.rank == holder else {}
+        count = torch.tensor([len(held)], dtype=torch.int64)
+        dist.broadcast(count, src=holder, group=group)
+        if not int(count):
+            return {}
+        index = torch.tensor([[step, data.numel()] for step, data in sorted(held.items())]
+                             if held else [[0, 0]] * int(count), dtype=torch.int64)
+        dist.broadcast(index, src=holder, group=group)
+        steps, lengths = index[:, 0].tolist(), index[:, 1].tolist()
+        payload = (torch.cat([held[step].reshape(-1) for step in steps]) if held
+                   else torch.empty(sum(lengths), dtype=torch.uint8))
+        dist.broadcast(payload, src=holder, group=group)
+        return dict(zip(steps, payload.split(lengths), strict=True))
 
     def held_window_starts(self) -> set[int]:
         """Window starts of which this rank holds a replica of some source."""

@@ -26,9 +26,11 @@ the others keep the plain two-window stores.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_moe_ckpt.replication.replica_store import ReplicaStore
@@ -149,3 +151,15 @@ class RetainingReplicaStore(ReplicaStore):
     def nbytes(self) -> int:
         return super().nbytes() + sum(data.numel() for saves in self.saves.values()
                                       for _, data in saves.values())
+
+
+@dataclass(frozen=True)
+class RetainedSaves:
+    """What a partial restore reads on one rank: its own store with each operator's
+    newest save, the copies it holds for its sources (None without replicas), the replica
+    peers of a source rank in placement order, and the group that carries the copies."""
+
+    store: RetainingSnapshotStore
+    replicas: RetainingReplicaStore | None
+    holders: Callable[[int], list[int]]
+    group: Callable[[], dist.ProcessGroup]

@@ -20,7 +20,7 @@ from lightning_moe_ckpt.sim.ettr import (
     monte_carlo_ettr,
     trace_ettr,
 )
-from lightning_moe_ckpt.sim.inputs import PRECISIONS, ClusterSpec, ParallelPlan, PrecisionSpec
+from lightning_moe_ckpt.sim.inputs import PRECISIONS, ClusterSpec, JobPlan, PrecisionSpec
 from lightning_moe_ckpt.sim.job import JobSpec, SimJob, build_job
 from lightning_moe_ckpt.sim.policies import POLICY_NAMES, PolicySettings, make_policy
 from lightning_moe_ckpt.sim.popularity import alpha_for_skew, expected_hhi, sample_shares
@@ -34,10 +34,10 @@ __all__ = [
     "AnalyticResult",
     "Calibration",
     "ClusterSpec",
+    "JobPlan",
     "JobSpec",
     "MeasuredProfile",
     "MonteCarloResult",
-    "ParallelPlan",
     "Policy",
     "PolicySettings",
     "PrecisionSpec",

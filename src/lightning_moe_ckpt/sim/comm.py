@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_moe_ckpt.sim.inputs import ClusterSpec, ParallelPlan
+from lightning_moe_ckpt.sim.inputs import ClusterSpec, JobPlan
 
 
 @dataclass(frozen=True)
@@ -32,17 +32,17 @@ class Group:
         return math.ceil(self.size / self.ranks_per_node)
 
 
-def expert_group(plan: ParallelPlan, cluster: ClusterSpec) -> Group:
+def expert_group(plan: JobPlan, cluster: ClusterSpec) -> Group:
     """The ``ep`` ranks that exchange tokens by all-to-all (contiguous)."""
     return Group(plan.ep, min(plan.ep, cluster.gpus_per_node))
 
 
-def stage_group(plan: ParallelPlan, cluster: ClusterSpec) -> Group:
+def stage_group(plan: JobPlan, cluster: ClusterSpec) -> Group:
     """The ``dp x ep`` ranks of a stage that reduce non-expert gradients (contiguous)."""
     return Group(plan.stage_ranks, min(plan.stage_ranks, cluster.gpus_per_node))
 
 
-def expert_data_group(plan: ParallelPlan, cluster: ClusterSpec) -> Group:
+def expert_data_group(plan: JobPlan, cluster: ClusterSpec) -> Group:
     """The ``dp`` replicas of one expert shard (stride ``ep``) that reduce expert gradients."""
     per_node = max(1, cluster.gpus_per_node // plan.ep)
     return Group(plan.dp, min(plan.dp, per_node))
@@ -102,7 +102,7 @@ def p2p_s(message_bytes: float, crosses_node: bool, cluster: ClusterSpec) -> flo
     return cluster.intra_node_latency_us * 1e-6 + message_bytes / cluster.nvlink_bytes_per_s
 
 
-def boundary_crosses_node(stage: int, plan: ParallelPlan, cluster: ClusterSpec) -> bool:
+def boundary_crosses_node(stage: int, plan: JobPlan, cluster: ClusterSpec) -> bool:
     """Whether stage ``stage`` and ``stage + 1`` live on different nodes."""
     width, per_node = plan.stage_ranks, cluster.gpus_per_node
     first = stage * width

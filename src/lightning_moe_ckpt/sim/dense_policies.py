@@ -32,7 +32,7 @@ from lightning_moe_ckpt.planning.intervals import (
     smallest_interval_within,
 )
 from lightning_moe_ckpt.sim.job import SimJob
-from lightning_moe_ckpt.sim.recovery import global_rollback
+from lightning_moe_ckpt.sim.recovery import global_rollback_model
 from lightning_moe_ckpt.sim.regime import Regime, StaticPolicy
 
 
@@ -59,7 +59,7 @@ def gemini_load_s(job: SimJob) -> float:
 
 def gemini_regime(job: SimJob, interval: int) -> Regime:
     """Gemini checkpointing every ``interval`` iterations."""
-    recovery = global_rollback(job.iteration_s, interval, gemini_load_s(job),
+    recovery = global_rollback_model(job.iteration_s, interval, gemini_load_s(job),
                                job.global_restart_s)
     return Regime(interval, 1, gemini_stall_s(job), job.iteration_s, recovery,
                   job.dense_bytes_per_gpu, interference=float(gemini_interference(job, interval)))
@@ -93,7 +93,7 @@ def checkfreq_regime(job: SimJob, interval: int) -> Regime:
     snapshot_stall = max(0.0, job.to_host_s(nbytes) - job.overlap_window_s)
     # One snapshot buffer: the next snapshot waits for the previous persist to finish.
     persist_wait = max(0.0, persist - interval * job.iteration_s)
-    recovery = global_rollback(job.iteration_s, interval,
+    recovery = global_rollback_model(job.iteration_s, interval,
                                load_s=job.node_storage_s(nbytes), restart_s=job.global_restart_s)
     # The persist streams each GPU's share through the NIC once per interval.
     interference = job.interference(nbytes / interval, nbytes / interval)

@@ -2,7 +2,7 @@
 
 The hardware presets (``conf/hardware/*.yaml``, block ``cluster``) quote link speeds in
 Gbit/s the way vendors do; :class:`ClusterSpec` converts them to bytes per second once,
-so every other simulator module works in bytes, FLOPs and seconds. A :class:`ParallelPlan`
+so every other simulator module works in bytes, FLOPs and seconds. A :class:`JobPlan`
 is the paper's (pp, dp, ep) layout with batch shape; expert parallelism is carved out of
 data parallelism (DeepSpeed-MoE), so non-expert parameters are replicated over ``dp x ep``
 ranks of a stage and experts over ``dp``. :data:`PRECISIONS` lists the bytes per parameter
@@ -123,7 +123,7 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class JobPlan:
     """Layout and batch shape of one training job.
 
     ``micro_batch`` sequences form one pipeline micro-batch; they are split over the
@@ -143,7 +143,7 @@ class ParallelPlan:
     virtual_stages: int = 1
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], key: str) -> ParallelPlan:
+    def from_mapping(cls, values: Mapping[str, Any], key: str) -> JobPlan:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         require(not unknown, f"unknown parallel plan key(s) "
@@ -252,7 +252,7 @@ PRECISIONS: dict[str, PrecisionSpec] = {
 }
 
 
-def parse_precision(value: object, cluster: ClusterSpec,
+def precision_spec(value: object, cluster: ClusterSpec,
                     key: str = "sim.precision") -> PrecisionSpec:
     """Look up a precision by name and check the cluster can run its GEMM format."""
     name = str(value)

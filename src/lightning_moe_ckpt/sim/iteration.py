@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim import comm
-from lightning_moe_ckpt.sim.inputs import ClusterSpec, ParallelPlan, PrecisionSpec
+from lightning_moe_ckpt.sim.inputs import ClusterSpec, JobPlan, PrecisionSpec
 from lightning_moe_ckpt.sim.profile import MeasuredProfile
 from lightning_moe_ckpt.sim.workload import Stage
 
@@ -61,7 +61,7 @@ class IterationTime:
 class IterationModel:
     """Times iterations of one job; optionally calibrated by a measured profile."""
 
-    def __init__(self, model: MoEModelConfig, stages: Sequence[Stage], plan: ParallelPlan,
+    def __init__(self, model: MoEModelConfig, stages: Sequence[Stage], plan: JobPlan,
                  cluster: ClusterSpec, precision: PrecisionSpec,
                  profile: MeasuredProfile | None = None, grad_sync_overlap: float = 0.0) -> None:
         self.model, self.stages, self.plan = model, tuple(stages), plan

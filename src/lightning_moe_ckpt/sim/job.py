@@ -20,7 +20,7 @@ import numpy as np
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.sim.calibration import NEUTRAL, Calibration
-from lightning_moe_ckpt.sim.inputs import ClusterSpec, ParallelPlan, PrecisionSpec
+from lightning_moe_ckpt.sim.inputs import ClusterSpec, JobPlan, PrecisionSpec
 from lightning_moe_ckpt.sim.iteration import IterationModel, IterationTime
 from lightning_moe_ckpt.sim.popularity import sample_shares
 from lightning_moe_ckpt.sim.profile import MeasuredProfile
@@ -32,7 +32,7 @@ class JobSpec:
     """Everything that defines a simulated job; ``key`` prefixes error messages."""
 
     model: MoEModelConfig
-    plan: ParallelPlan
+    plan: JobPlan
     cluster: ClusterSpec
     precision: PrecisionSpec
     replicas: int = 2  # peer copies of in-memory checkpoints (paper §4: r = 2)
@@ -68,7 +68,7 @@ class SimJob:
         return self.timing.cluster
 
     @property
-    def plan(self) -> ParallelPlan:
+    def plan(self) -> JobPlan:
         return self.spec.plan
 
     @property

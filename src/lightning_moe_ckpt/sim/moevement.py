@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from lightning_moe_ckpt.sim.job import SimJob
-from lightning_moe_ckpt.sim.recovery import localized_replay
+from lightning_moe_ckpt.sim.recovery import localized_replay_model
 from lightning_moe_ckpt.sim.regime import Regime, StaticPolicy
 from lightning_moe_ckpt.sim.schedule import SparseSchedule, find_window, fixed_window
 
@@ -66,7 +66,7 @@ def plan_moevement(job: SimJob, window: int | None = None) -> StaticPolicy:
                               for j in range(schedule.window)))
         full.append(job.timing.replay_iteration_s(stage))
         fetch.append(job.node_fetch_s(schedule.window_bytes))
-    recovery = localized_replay([s.window for s in schedules], conversion, full, fetch,
+    recovery = localized_replay_model([s.window for s in schedules], conversion, full, fetch,
                                 job.spec.restart_s)
     largest = max(s.largest_bytes for s in schedules)
     mean = max(s.window_bytes / s.window for s in schedules)  # bytes per iteration

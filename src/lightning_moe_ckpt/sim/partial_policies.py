@@ -31,7 +31,7 @@ from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.sim.job import SimJob
 from lightning_moe_ckpt.sim.moevement import snapshot_budget_bytes, snapshot_stall_s
 from lightning_moe_ckpt.sim.popularity import sample_shares
-from lightning_moe_ckpt.sim.recovery import global_rollback
+from lightning_moe_ckpt.sim.recovery import global_rollback_model
 from lightning_moe_ckpt.sim.regime import Policy, Regime, StaticPolicy
 
 
@@ -130,7 +130,7 @@ class MoCPolicy(Policy):
             interference = float(job.interference(per_gpu / efficiency, per_gpu / interval))
             # Everyone rolls back to the last snapshot; the replacement node reloads its
             # state from storage, the others from their host memory.
-            recovery = global_rollback(job.iteration_s, 1,
+            recovery = global_rollback_model(job.iteration_s, 1,
                                        load_s=job.node_storage_s(job.dense_bytes_per_gpu),
                                        restart_s=job.global_restart_s)
             note = f"K={k:g}/{self.experts}, persisted every {interval}"
@@ -214,7 +214,7 @@ def plan_moetion(job: SimJob) -> StaticPolicy:
     lost = unsaved_tokens(job.shares, selected)
     compensation = lost * job.timing.expert_compute_per_iteration_s()
     load = max(job.node_fetch_s(job.dense_bytes_per_gpu), job.to_host_s(job.dense_bytes_per_gpu))
-    recovery = global_rollback(job.iteration_s, 1, load + compensation, job.global_restart_s)
+    recovery = global_rollback_model(job.iteration_s, 1, load + compensation, job.global_restart_s)
     return StaticPolicy("moetion", Regime(
         1, math.ceil(experts / selected), snapshot_stall_s(job, per_gpu, upstream_log=False),
         job.iteration_s,

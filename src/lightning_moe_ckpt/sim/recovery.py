@@ -88,7 +88,7 @@ class RecoveryModel:
         return path.fixed_s + path.base_s + u * path.span_s
 
 
-def global_rollback(iteration_s: float, interval: int, load_s: float, restart_s: float,
+def global_rollback_model(iteration_s: float, interval: int, load_s: float, restart_s: float,
                     lag_s: float = 0.0) -> RecoveryModel:
     """Every rank rolls back to the last checkpoint usable after ``lag_s`` (e.g. persisting
     to storage) and re-runs full iterations; the checkpoint cycle is ``interval`` iterations."""
@@ -98,7 +98,7 @@ def global_rollback(iteration_s: float, interval: int, load_s: float, restart_s:
     return RecoveryModel("global", (path,))
 
 
-def localized_replay(windows: Sequence[int], conversion_s: Sequence[float],
+def localized_replay_model(windows: Sequence[int], conversion_s: Sequence[float],
                      full_replay_s: Sequence[float], fetch_s: Sequence[float],
                      restart_s: float) -> RecoveryModel:
     """MoEvement, one path per stage: fetch the window's snapshots (``fetch_s``), replay the

@@ -17,8 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_moe_ckpt.errors import require
-from lightning_moe_ckpt.planning.schedule import OperatorSpec, WindowSchedule, plan_window
-from lightning_moe_ckpt.planning.schedule import order_operators as runtime_order
+from lightning_moe_ckpt.planning.schedule import (
+    OperatorSpec,
+    WindowSchedule,
+    order_operators,
+    plan_window,
+)
 from lightning_moe_ckpt.sim.workload import OperatorCost
 
 # plan_window needs a positive bandwidth; a budget this small fits no operator, which is
@@ -34,10 +38,10 @@ def _per_gpu_specs(operators: Sequence[OperatorCost], ranks: int) -> tuple[Opera
                  for op in operators)
 
 
-def order_operators(operators: Sequence[OperatorCost]) -> tuple[OperatorCost, ...]:
+def ordered_costs(operators: Sequence[OperatorCost]) -> tuple[OperatorCost, ...]:
     """The runtime's order (ascending popularity, ties in model order) of ``operators``."""
     by_name = {op.name: op for op in operators}
-    return tuple(by_name[name] for name in runtime_order(_per_gpu_specs(operators, 1)))
+    return tuple(by_name[name] for name in order_operators(_per_gpu_specs(operators, 1)))
 
 
 @dataclass(frozen=True)

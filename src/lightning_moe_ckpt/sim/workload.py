@@ -25,7 +25,7 @@ from lightning_moe_ckpt.core.operators import OperatorKind
 from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.models.config import MoEModelConfig
 from lightning_moe_ckpt.models.transformer import MoETransformer
-from lightning_moe_ckpt.sim.inputs import ParallelPlan, PrecisionSpec
+from lightning_moe_ckpt.sim.inputs import JobPlan, PrecisionSpec
 
 NON_EXPERT_KINDS: frozenset[str] = frozenset({"embed", "attn", "gate", "shared_experts", "head"})
 
@@ -212,7 +212,7 @@ def _balanced_split(costs: Sequence[float], parts: int) -> list[range]:
     return bounds[::-1]
 
 
-def split_stages(operators: Sequence[OperatorCost], plan: ParallelPlan,
+def split_stages(operators: Sequence[OperatorCost], plan: JobPlan,
                  n_layers: int) -> tuple[Stage, ...]:
     """Assign layers to ``plan.pp`` stages (embedding on the first, head on the last) so that
     the slowest stage is as fast as possible."""

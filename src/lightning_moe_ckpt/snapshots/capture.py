@@ -98,7 +98,7 @@ class _CopyJob:
 
 @dataclass(frozen=True, eq=False)
 class CopyList:
-    """Everything :meth:`SnapshotEngine.issue` needs for one plan shape, built once: the
+    """Everything :meth:`SnapshotCapture.issue` needs for one plan shape, built once: the
     plan repeats every W iterations, so steady-state issuing is a few operations per piece
     and none per tensor. Valid while the engine's fingerprint of the live state matches.
     Equal only to itself (it is a cache key of its buffers' views, by identity)."""
@@ -121,14 +121,14 @@ def _sources(registry: OperatorRegistry, state: OptimizerStateAccess, operator: 
     sources: dict[str, torch.Tensor] = {}
     read = state.compute_sources if kind == "compute" else state.master_sources
     op = registry[operator]
-    for piece in op.pieces:
-        sources.update(read(piece))
+    for part in op.parts:
+        sources.update(read(part))
     for buffer in op.buffers:
         sources[buffer.snapshot_key] = buffer.tensor.detach()
     return sources
 
 
-class SnapshotEngine:
+class SnapshotCapture:
     """Issues, overlaps and waits for the per-iteration snapshot copies of one rank."""
 
     def __init__(self, registry: OperatorRegistry, state: OptimizerStateAccess, rank: int,
@@ -232,7 +232,7 @@ class SnapshotEngine:
         self._layouts.clear()
         self.copy_lists.clear()
         self._layouts_fingerprint = StateFingerprint(
-            self.state, (piece for op in self.registry for piece in op.pieces),
+            self.state, (part for op in self.registry for part in op.parts),
             (buffer for op in self.registry for buffer in op.buffers))
 
     def _layout(self, operator: str, kind: PieceKind) -> PieceLayout:

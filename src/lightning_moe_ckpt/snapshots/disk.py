@@ -1,14 +1,14 @@
-"""Disk persistence of snapshots (the CheckFreq baseline's second phase).
+"""Disk snapshots: the CheckFreq baseline's second phase (not the durable tier).
 
 CheckFreq snapshots the dense state in memory and then persists it to storage in the
-background. :class:`DiskPersister` does the second phase for the snapshot engine: a worker
-thread gets a snapshot once its copies are checksummed, writes it with ``torch.save`` (the
-same encoding replication uses, checksums included) to a temporary file, renames it into
+background. :class:`DiskWriter` does the second phase for the snapshot capture: a worker
+thread gets a snapshot once its copies are checksummed, writes it in the one snapshot
+format replication uses (checksums included) to a temporary file, renames it into
 place and acknowledges it, so the store treats the snapshot as persisted only once it is
 on disk. Only the two newest files are kept. The directory is the rank's own
 (``<durable_dir>/checkfreq/rank<NNNNN>``): files left there by an earlier run are removed
-when the persister starts, and after a failure the rank finds its persisted snapshots by
-listing the directory (:meth:`DiskPersister.persisted_steps`, :meth:`DiskPersister.read`),
+when the writer starts, and after a failure the rank finds its persisted snapshots by
+listing the directory (:meth:`DiskWriter.persisted_steps`, :meth:`DiskWriter.read`),
 since the worker's host memory (and with it the list of what it wrote) is gone.
 """
 
@@ -26,7 +26,7 @@ from lightning_moe_ckpt.snapshots.helper_threads import DEFAULT_HELPER_NICE, Hel
 from lightning_moe_ckpt.snapshots.snapshot import Snapshot, wait_checksummed
 
 
-class DiskPersister:
+class DiskWriter:
     """Background writer of snapshots to ``directory``."""
 
     def __init__(self, directory: str, on_persisted: Callable[[int, int], None],

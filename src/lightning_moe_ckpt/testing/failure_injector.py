@@ -112,7 +112,7 @@ class FailureInjector(L.Callback, StepHooks):
         # step + 1 runs: that copy never completes on the failed rank.
         if any(event.rank == self.rank and event.phase in ("snapshot_copy", "replication")
                for event in self.schedule.events_at(step + 1)):
-            coordinator.snapshots.interrupt_copy(step)
+            coordinator.capture.interrupt_copy(step)
         events = self.schedule.events_at(step)
         for event in events:
             if (event.real and event.rank == self.rank and self._real_at(step)
@@ -134,8 +134,8 @@ class FailureInjector(L.Callback, StepHooks):
         # Copies already issued complete first: a dead worker's in-flight copy never
         # finishes with post-failure data (destroying the weights under a running copy
         # would put garbage into a snapshot).
-        coordinator.snapshots.wait_copies()
-        coordinator.snapshots.interrupted_steps.clear()  # the interrupted copy is done
+        coordinator.capture.wait_copies()
+        coordinator.capture.interrupted_steps.clear()  # the interrupted copy is done
         if self.rank in failed:
             self._destroy()
         cascade = None

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_moe_ckpt.training.engine import TrainingEngine
-from moe_recipes.comparisons import PeerCheckpointing
+from moe_recipes.comparisons import ComparisonCheckpointing
 from moe_recipes.settings import RunSettings
 from tests.distributed.workloads import make_settings, whole_batch_sampler
 
@@ -21,7 +21,7 @@ FAILING_STEP = 3  # the save of the state after three optimizer steps fails
 DISK_FULL = OSError(28, "No space left on device")
 
 
-def _train(peer: PeerCheckpointing, engine: TrainingEngine, settings: RunSettings) -> None:
+def _train(peer: ComparisonCheckpointing, engine: TrainingEngine, settings: RunSettings) -> None:
     """The run's iterations with a save after each (``k`` = 1), then wait for the saves."""
     sampler = whole_batch_sampler(settings)
     peer.begin()
@@ -64,7 +64,7 @@ def test_a_failed_save_ends_the_job_with_its_error(policy: str, steps: int, tmp_
         monkeypatch.setattr(dcp, "async_save", _failing_async_save(dcp.async_save))
     settings = make_settings(1, 1, 1, steps=steps)
     engine = TrainingEngine.local(settings)
-    peer = PeerCheckpointing(policy, engine, tmp_path, 0, 1, set(), warmup=1, interval=1)
+    peer = ComparisonCheckpointing(policy, engine, tmp_path, 0, 1, set(), warmup=1, interval=1)
     with pytest.raises(OSError, match="No space left on device"):
         _train(peer, engine, settings)
     # The checkpoints before the failed one were kept: none was pruned for a failed save.
