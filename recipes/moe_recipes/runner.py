@@ -22,6 +22,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from omegaconf import DictConfig
@@ -60,6 +61,7 @@ from moe_recipes.outputs import (
     plot_training,
     write_metrics,
 )
+from moe_recipes.progress import steps_progress_bar
 from moe_recipes.settings import RunSettings, settings_from_config
 from moe_recipes.statistics import PairedBlocks
 from moe_recipes.supervised import (
@@ -117,6 +119,11 @@ def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
     return checkpointing
 
 
+def _progress_bar(settings: RunSettings) -> ProgressBar | None:
+    """The bar naming the steps the run trains (None: no bar)."""
+    return steps_progress_bar() if settings.progress_bar else None
+
+
 def _launch_settings(settings: RunSettings) -> dict[str, Any]:
     """Accelerator, devices per node and node count for Lightning (one process too: a
     single-GPU run of ``hardware=h100`` trains on the GPU, not silently on the CPU)."""
@@ -160,7 +167,8 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
         num_sanity_val_steps=0, val_check_interval=settings.val_every,
         check_val_every_n_epoch=None, log_every_n_steps=settings.log_every,
         default_root_dir=settings.out_dir, use_distributed_sampler=False,
-        callbacks=[c for c in (checkpointing, injector, recovery) if c is not None],
+        callbacks=[c for c in (checkpointing, injector, recovery, _progress_bar(settings))
+                   if c is not None],
         plugins=[AsyncCheckpointIO()] if settings.checkpoint.durable_every else None,
         **_launch_settings(settings),
     )
@@ -196,7 +204,8 @@ def _train_hf_with_trainer(settings: RunSettings, data: RunData,
         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=settings.log_every,
         default_root_dir=settings.out_dir, use_distributed_sampler=False,
         gradient_clip_val=settings.optim.max_grad_norm,
-        callbacks=[c for c in (checkpointing, injector) if c is not None],
+        callbacks=[c for c in (checkpointing, injector, _progress_bar(settings))
+                   if c is not None],
         **_launch_settings(settings))
     trainer.fit(module)
     if checkpointing is not None and checkpointing.peer_failures is not None:
