@@ -192,7 +192,7 @@ class Replicator:
 
     def submit(self, snapshot: Snapshot) -> None:
         """Replicate ``snapshot`` once its copies are checksummed (it is queued then, by
-        the thread that checksums it: :meth:`~.pieces.Snapshot.when_checksummed`)."""
+        the thread that checksums it: :meth:`~.snapshot.Snapshot.when_checksummed`)."""
         self.submitted += 1
         self._quiet = False
         self._newest_submitted = snapshot

@@ -32,7 +32,7 @@ issue, in order with the training thread (on CPU there, on CUDA on its current s
 before the side stream starts). They are small (a vector per router or norm), so this
 costs the training thread next to nothing.
 
-Host buffers come from a pool (:class:`~.pieces.HostBufferPool`) keyed by (tensor name,
+Host buffers come from a pool (:class:`~.snapshot.HostBufferPool`) keyed by (tensor name,
 shape, dtype): buffers of a freed snapshot are reused by the next one with the same
 layout, so steady-state training allocates nothing. Every piece gets a CRC32C checksum
 (the SSE4.2/ARMv8 instruction through the ``crc32c`` package), computed after its copy

@@ -46,7 +46,7 @@ class DiskWriter:
 
     def submit(self, snapshot: Snapshot) -> None:
         """Persist ``snapshot`` once its copies are checksummed (it is queued then, by the
-        thread that checksums it: :meth:`~.pieces.Snapshot.when_checksummed`)."""
+        thread that checksums it: :meth:`~.snapshot.Snapshot.when_checksummed`)."""
         self._newest_submitted = snapshot
         snapshot.when_checksummed(self._queue.put)
 
