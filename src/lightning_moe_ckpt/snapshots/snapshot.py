@@ -6,7 +6,7 @@ says what a piece copies (live sources in name order, the pool key), :class:`Pie
 are the host buffers it is copied into (views into one block where the dtypes allow, so
 that a piece is checksummed in one call), and :class:`HostBufferPool` hands the buffers of
 a freed snapshot to the next one of the same layout, so steady-state training allocates
-nothing. The engine that fills snapshots is :mod:`.snapshot`.
+nothing. The capture that fills snapshots is :mod:`.capture`.
 """
 
 from __future__ import annotations
