@@ -228,3 +228,24 @@ def test_bf16_model_snapshot_bytes_match_the_accounting() -> None:
     non_experts = [s.name for s in specs if s.popularity == 1.0]
     final = plan_window(specs, 1.0, 0.4 * dense)
     assert set(final.order[-len(non_experts):]) == set(non_experts)  # every token: last
+
+
+def test_headroom_shrinks_the_budget_and_no_snapshot_exceeds_it() -> None:
+    specs = [OperatorSpec(f"op{i}", 50, 600, i / 12) for i in range(12)]
+    by_name = {spec.name: spec for spec in specs}
+    full = plan_window(specs, 1.0, 3000.0)
+    half = plan_window(specs, 1.0, 3000.0, headroom=0.5)
+    assert full.fits and half.fits
+    assert half.budget_bytes == 1500.0 and full.budget_bytes == 3000.0
+    assert half.window > full.window  # a smaller budget needs more, smaller turns
+    for schedule, budget in ((full, 3000.0), (half, 1500.0)):
+        assert schedule.largest_snapshot_bytes(by_name) <= budget
+    # The smallest W at that budget: one turn fewer would not fit it.
+    assert plan_window(specs, 1.0, 1500.0).window == half.window
+
+
+@pytest.mark.parametrize("headroom", [0.0, -0.5, 1.5, "half", True])
+def test_a_headroom_outside_zero_to_one_is_refused_by_name(headroom: object) -> None:
+    specs = [OperatorSpec("op", 10, 60, 0.0)]
+    with pytest.raises(ConfigError, match=r"checkpoint\.headroom=.* must be a number in \(0, 1\]"):
+        plan_window(specs, 1.0, 100.0, headroom=headroom)  # type: ignore[arg-type]

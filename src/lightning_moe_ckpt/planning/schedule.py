@@ -28,7 +28,7 @@ from typing import Any
 from lightning_moe_ckpt.core.operators import expert_position
 from lightning_moe_ckpt.core.optimizer_state import OptimizerStateAccess
 from lightning_moe_ckpt.core.registry import OperatorRegistry
-from lightning_moe_ckpt.errors import fmt, require
+from lightning_moe_ckpt.errors import fmt, is_number, require
 
 
 @dataclass(frozen=True)
@@ -237,13 +237,20 @@ def _schedule(ordered: Sequence[OperatorSpec], bounds: Sequence[int], fits: bool
 
 
 def plan_window(specs: Sequence[OperatorSpec], iteration_time_s: float,
-                bandwidth_bytes_per_s: float, forced_window: int | None = None
-                ) -> WindowSchedule:
-    """The window for ``specs``: the smallest ``W`` whose every snapshot moves within one
-    iteration (greedy cut of the popularity order), or exactly ``forced_window`` turns.
+                bandwidth_bytes_per_s: float, forced_window: int | None = None,
+                headroom: float = 1.0) -> WindowSchedule:
+    """The window for ``specs``: the smallest ``W`` whose every snapshot moves within
+    ``headroom`` of one iteration (greedy cut of the popularity order), or exactly
+    ``forced_window`` turns.
 
+    The budget is ``headroom x iteration_time_s x bandwidth_bytes_per_s``: with a
+    headroom below one, no snapshot's copy takes the whole iteration, so the training
+    stream's own reads and the optimizer step find the copy engine idle part of the time.
     If no cut fits, one operator per turn with ``fits=False`` (the engine reports stall).
     """
+    require(is_number(headroom) and 0 < headroom <= 1,
+            f"{fmt('checkpoint.headroom', headroom)} must be a number in (0, 1]: the share "
+            "of an iteration a snapshot's copy may take")
     require(iteration_time_s > 0, f"iteration time {iteration_time_s} s must be > 0 "
                                   "(profiled, or set by checkpoint.iteration_time_s)")
     require(bandwidth_bytes_per_s > 0,
@@ -254,7 +261,7 @@ def plan_window(specs: Sequence[OperatorSpec], iteration_time_s: float,
     by_name = {spec.name: spec for spec in specs}
     ordered = [by_name[name] for name in order_operators(specs)]
     prefix = _Prefix(ordered)
-    budget = iteration_time_s * bandwidth_bytes_per_s
+    budget = headroom * iteration_time_s * bandwidth_bytes_per_s
     if forced_window is not None:
         require(isinstance(forced_window, int) and forced_window >= 1,
                 f"{fmt('checkpoint.window', forced_window)} must be an integer >= 1")

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from typing_extensions import override
 
-from lightning_moe_ckpt.errors import ConfigError, fmt, require
+from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
 from lightning_moe_ckpt.planning.planner import (
     BasePlanner,
     CapturePlan,
@@ -100,9 +100,13 @@ class MoEvementPlanner(BasePlanner):
                  reorder_change_threshold: float = 0.10,
                  reorder_fraction_threshold: float = 0.25,
                  window_agreement: WindowAgreement | None = None,
-                 agreement_every: int = 16) -> None:
+                 agreement_every: int = 16, headroom: float = 1.0) -> None:
         if not specs:
             raise ValueError("moevement needs at least one operator to checkpoint")
+        require(is_number(headroom) and 0 < headroom <= 1,
+                f"{fmt('checkpoint.headroom', headroom)} must be a number in (0, 1]: the "
+                "share of an iteration a snapshot's copy may take")
+        self.headroom = headroom
         require(isinstance(agreement_every, int) and agreement_every >= 1,
                 f"agreement_every={agreement_every!r} must be an integer >= 1")
         check_reorder_thresholds(reorder_change_threshold, reorder_fraction_threshold)
@@ -241,7 +245,8 @@ class MoEvementPlanner(BasePlanner):
         # infinite one, so `fits` only reflects a profile when there is one.
         iteration_s, bandwidth = self.profile or (1.0, float("inf"))
         schedule = plan_window(list(self.specs.values()), iteration_s, bandwidth,
-                               forced if forced is not None else self.forced_window)
+                               forced if forced is not None else self.forced_window,
+                               headroom=self.headroom)
         return schedule if self.profile else replace(schedule, budget_bytes=None)
 
     def _maybe_reorder(self) -> bool:
