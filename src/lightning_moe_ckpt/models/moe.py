@@ -3,9 +3,15 @@
 Each routed expert is its own module under ``experts.<global id>`` so that it can be
 frozen on its own and so that its name does not change when expert parallelism keeps
 only a contiguous block of experts on a rank. Token dispatch is sort-based (torchtitan
-style): assignments are grouped by expert, each expert runs once on its slice, and the
+style): assignments are grouped by expert, the experts run as grouped matrix products
+(``torch._grouped_mm``) over their slices, whose boundaries stay on the device, and the
 outputs are scattered back and combined over the k slots in a fixed order, so the result
-does not depend on how experts are placed.
+does not depend on how experts are placed. Nothing in the forward reads a device value on
+the host (no ``.tolist()``, ``.item()`` or ``nonzero``): on a GPU the training stream never
+waits behind a snapshot's device-to-host copy to learn a split size. The experts stay
+separate modules (one operator each, frozen on their own); their weights are stacked for
+each forward, a copy of the experts' weights per layer and micro-batch, against one host
+sync per layer and micro-batch without it.
 
 Capacity (``capacity_factor``) is applied per sequence: each expert accepts at most
 ``ceil(cf * S * k / E)`` assignments of a sequence, first choices of every token before
@@ -20,7 +26,7 @@ exactly the unscaled capacity.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +46,29 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def grouped_experts(tokens: torch.Tensor, counts: torch.Tensor, experts: list[Expert],
+                    trailing_zeros: bool = False) -> torch.Tensor:
+    """``experts[e]`` on rows ``counts[:e].sum() ..`` of ``tokens`` (``counts[e]`` rows each),
+    as three grouped matrix products with the group boundaries on the device. With
+    ``trailing_zeros`` the rows after the last expert's (``counts`` has one more entry)
+    form one more group with zero weights: its outputs, and its gradients, are zeros."""
+    rows = len(experts) + int(trailing_zeros)
+    offsets = torch.cumsum(counts[:rows], dim=0).to(torch.int32)
+    w1 = _stacked([e.w1.weight for e in experts], trailing_zeros)  # [G, hidden, d]
+    w3 = _stacked([e.w3.weight for e in experts], trailing_zeros)
+    w2 = _stacked([e.w2.weight for e in experts], trailing_zeros)  # [G, d, hidden]
+    # x @ W.T per group: exactly what each expert's nn.Linear computes on its slice.
+    gate = torch._grouped_mm(tokens, w1.transpose(1, 2), offs=offsets)
+    up = torch._grouped_mm(tokens, w3.transpose(1, 2), offs=offsets)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+
+
+def _stacked(weights: list[torch.Tensor], trailing_zeros: bool) -> torch.Tensor:
+    if trailing_zeros:
+        weights = [*weights, weights[0].new_zeros(weights[0].shape)]
+    return torch.stack(weights)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -116,17 +145,13 @@ class MoELayer(nn.Module):
             expert_of_slot = torch.where(kept, expert_of_slot, self.n_experts)
         order = torch.argsort(expert_of_slot, stable=True)
         counts = torch.bincount(expert_of_slot, minlength=self.n_experts + 1)
-        # One host sync per layer and micro-batch: the split sizes must be known on the
-        # host to slice per expert (and, under expert parallelism, for all-to-all).
-        counts_per_expert: list[int] = counts[: self.n_experts].tolist()
-        n_kept = sum(counts_per_expert)
         with torch.no_grad():
             self.dropped_assignments += counts[self.n_experts]
-        kept_slots = order[:n_kept]
         tokens = x.reshape(-1, d_model)
-        expert_out = self.run_experts(tokens[kept_slots // self.top_k], counts_per_expert)
-        slot_out = x.new_zeros(batch * seq_len * self.top_k, d_model)
-        slot_out = slot_out.index_copy(0, kept_slots, expert_out)
+        # Every slot, expert-sorted (dropped ones last): the shapes never depend on the
+        # routing, so nothing needs a split size on the host.
+        expert_out = self.run_experts(tokens[order // self.top_k], counts)
+        slot_out = expert_out.new_empty(expert_out.shape).index_copy(0, order, expert_out)
         weights = route.weights.reshape(-1, self.top_k, 1).to(x.dtype)
         out = (slot_out.view(-1, self.top_k, d_model) * weights).sum(dim=1)
         out = out.view(batch, seq_len, d_model)
@@ -138,16 +163,17 @@ class MoELayer(nn.Module):
             out = _AttachAuxLoss.apply(out, route.aux_loss, self.aux_loss_coef)
         return out
 
-    def run_experts(self, tokens: torch.Tensor, counts_per_expert: list[int]) -> torch.Tensor:
-        """Run each expert on its contiguous slice of expert-sorted ``tokens``.
+    def run_experts(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Run each expert on its contiguous slice of expert-sorted ``tokens``: ``counts``
+        (``[E + 1]``, on the device) rows per expert, then the dropped slots, whose
+        outputs are zeros.
 
         Every expert runs even on an empty slice so that an active expert always gets a
         (possibly zero) weight gradient: "no gradient" then means exactly "frozen".
         Expert parallelism replaces this method with an all-to-all dispatch.
         """
-        chunks = torch.split(tokens, counts_per_expert)
-        outputs = [self.experts[str(e)](chunk) for e, chunk in enumerate(chunks)]
-        return torch.cat(outputs, dim=0)
+        experts = [cast(Expert, self.experts[str(e)]) for e in range(self.n_experts)]
+        return grouped_experts(tokens, counts, experts, trailing_zeros=True)
 
     def _within_capacity(self, indices: torch.Tensor,
                          capacity: int | torch.Tensor) -> torch.Tensor:

@@ -13,20 +13,23 @@ experts. :class:`ExpertParallelDispatch` replaces :meth:`MoELayer.run_experts`:
 
 The caller's expert-sorted order is preserved, so combine and capacity logic in
 :class:`~lightning_moe_ckpt.models.moe.MoELayer` are unchanged from single-process.
-The counts must be on the host to size the collectives: one host sync per layer and
-micro-batch, as in torchtitan's non-grouped expert path.
+The counts must be on the host to size the collectives (gloo's ``all_to_all_single``
+takes its split sizes as integers): under expert parallelism, one host sync per layer and
+micro-batch, as in torchtitan's non-grouped expert path. Local experts run as grouped
+matrix products (:func:`~lightning_moe_ckpt.models.moe.grouped_experts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
 from torch import nn
 
-from lightning_moe_ckpt.models.moe import MoELayer
+from lightning_moe_ckpt.models.moe import Expert, MoELayer, grouped_experts
 
 
 def all_to_all_autograd(tensor: torch.Tensor, output_splits: list[int],
@@ -75,18 +78,25 @@ class ExpertParallelDispatch:
 
     def __init__(self, layer: MoELayer, group: dist.ProcessGroup, local_experts: range) -> None:
         self.experts: nn.ModuleDict = layer.experts
+        self.n_experts = layer.n_experts
         self.group = group
         self.local_experts = local_experts
 
-    def __call__(self, tokens: torch.Tensor, counts_per_expert: list[int]) -> torch.Tensor:
-        send_counts = torch.tensor(counts_per_expert, dtype=torch.int64, device=tokens.device)
-        return exchange_with_owners(tokens, send_counts, self.group, len(self.local_experts),
-                                    self._run_local)
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``MoELayer.run_experts`` over the ``ep`` group: ``tokens`` expert-sorted,
+        ``counts`` rows per expert and then the dropped slots (outputs zero)."""
+        # The one host read of the layer: how many rows the experts take.
+        kept = int(counts[: self.n_experts].sum())
+        outputs = exchange_with_owners(tokens[:kept], counts[: self.n_experts], self.group,
+                                       len(self.local_experts), self._run_local)
+        if kept == tokens.shape[0]:
+            return outputs
+        dropped = outputs.new_zeros(tokens.shape[0] - kept, *outputs.shape[1:])
+        return torch.cat([outputs, dropped])
 
     def _run_local(self, tokens: torch.Tensor, expert_sizes: torch.Tensor) -> torch.Tensor:
-        chunks = torch.split(tokens, expert_sizes.tolist())
-        return torch.cat([self.experts[str(expert)](chunk)
-                          for expert, chunk in zip(self.local_experts, chunks, strict=True)])
+        experts = [cast(Expert, self.experts[str(e)]) for e in self.local_experts]
+        return grouped_experts(tokens, expert_sizes, experts)
 
 
 def disable_expert_parallel(model: nn.Module) -> None:
