@@ -23,18 +23,41 @@ class ConfigError(ValueError):
 
 
 def require(condition: bool, message: str) -> None:
-    """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds."""
+    """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds.
+
+    Args:
+        condition: What must hold.
+        message: The error's message, naming the key(s) and value(s).
+
+    Raises:
+        ConfigError: ``condition`` is false.
+    """
     if not condition:
         raise ConfigError(message)
 
 
 def is_number(value: Any) -> bool:
-    """An int or float setting (a bool is not one, though Python says it is an int)."""
+    """An int or float setting (a bool is not one, though Python says it is an int).
+
+    Args:
+        value: The setting's value.
+
+    Returns:
+        Whether ``value`` is an int or a float and not a bool.
+    """
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def fmt(key: str, value: Any) -> str:
-    """Format ``key=value`` the way a Hydra override would spell it."""
+    """Format ``key=value`` the way a Hydra override would spell it.
+
+    Args:
+        key: The setting's key, e.g. ``checkpoint.replicas``.
+        value: Its value; a string is quoted.
+
+    Returns:
+        ``key=value``.
+    """
     return f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
 
 
@@ -56,7 +79,11 @@ class WireFormatError(ValueError):
 
 class IterationAborted(Exception):
     """The iteration was abandoned for a recovery: run the target's ``step`` next (its
-    batch may differ from the one the loop had fetched)."""
+    batch may differ from the one the loop had fetched).
+
+    Args:
+        step: The step to continue at.
+    """
 
     def __init__(self, step: int) -> None:
         super().__init__(f"iteration aborted; continue at step {step}")
@@ -64,7 +91,12 @@ class IterationAborted(Exception):
 
 
 class RecoveryInterrupted(Exception):
-    """A cascading failure cut a replay short; ``report`` says how far it got."""
+    """A cascading failure cut a replay short; ``report`` says how far it got.
+
+    Args:
+        report: The interrupted recovery's
+            :class:`~lightning_moe_ckpt.recovery.RecoveryReport`.
+    """
 
     def __init__(self, report: Any) -> None:  # a recovery.RecoveryReport
         super().__init__(f"recovery interrupted after {report.replayed} replayed iterations")

@@ -19,7 +19,18 @@ __all__ = ["DurableCheckpoints"]
 
 
 class DurableCheckpoints:
-    """Which persisted windows get a durable checkpoint, and the files written so far."""
+    """Which persisted windows get a durable checkpoint, and the files written so far.
+
+    Args:
+        every: Write a durable checkpoint every this many persisted windows; ``None``: no
+            durable checkpoints.
+        directory: Where durable checkpoints go; required when ``every`` is set.
+        keep: Newest durable checkpoints kept; older ones are deleted (2 or more keeps a
+            complete checkpoint while the next one is written).
+
+    Raises:
+        ConfigError: A bad value, naming its ``checkpoint.durable_*`` key.
+    """
 
     def __init__(self, every: int | None, directory: str | None, keep: int) -> None:
         require(every is None or (isinstance(every, int) and every >= 1),

@@ -25,7 +25,15 @@ from lightning_moe_ckpt.training.lightning_module import MoELanguageModule
 
 
 class PopularityMonitor(L.Callback, StepHooks):
-    """Tracks and logs expert popularity."""
+    """Tracks and logs expert popularity.
+
+    Args:
+        scheme: How popularity is counted: ``"hard"`` (tokens routed), ``"soft"`` (gate
+            probability mass), ``"ema"`` (a moving average of tokens routed) or
+            ``"capacity"`` (tokens routed divided by the expert's capacity factor).
+        alpha: The moving average's weight of the past, for ``scheme="ema"``.
+        log_every_n_steps: Log the per-layer statistics every this many steps.
+    """
 
     def __init__(self, scheme: str = "hard", alpha: float = 0.9,
                  log_every_n_steps: int = 10) -> None:

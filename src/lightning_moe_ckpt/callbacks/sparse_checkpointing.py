@@ -83,21 +83,45 @@ def _logger_writes(trainer: L.Trainer) -> bool:
 class SparseCheckpointing(L.Callback, StepHooks):
     """Sparse (or baseline) per-iteration checkpointing of every rank's state.
 
-    ``operators`` overrides operator discovery for a user's model (a mapping of
-    parameter-name patterns to operator names, or ``(name, param) -> name | None``);
-    ``top_k`` and ``router_parser`` help routing telemetry read routers the built-in
-    parsing does not understand (see :mod:`~lightning_moe_ckpt.targets.telemetry`).
-    ``durable_every=N`` writes a dense Lightning checkpoint into ``durable_dir`` every N-th
-    persisted window and keeps the newest ``durable_keep`` of them. Each snapshot goes to
-    ``replicas`` peers, on other nodes first; a peer on this node maps the snapshot's shared
-    memory (``same_node_replicas="shared"``: it outlives this process, and no bytes are
-    copied) or receives a copy (``"copied"``). ``window_filter`` (an attribute, None by
-    default) may leave out whole windows: it is asked at each window's first step with its
-    plan (a measurement's knob, e.g. the bench's paired blocks; a window left out protects
-    nothing). ``helper_nice`` is added to
-    the nice value of the threads that copy, checksum, replicate and write snapshots, so
-    that on shared cores they yield to the training threads
-    (:mod:`~lightning_moe_ckpt.snapshots.helper_threads`; 0: the same priority).
+    ``window_filter`` (an attribute, None by default) may leave out whole windows: it is
+    asked at each window's first step with its plan (a measurement's knob, e.g. the bench's
+    paired blocks; a window left out protects nothing).
+
+    Args:
+        policy: The checkpoint policy: ``"moevement"``, ``"gemini"``, ``"checkfreq"``,
+            ``"moc"``, ``"moetion"`` or ``"none"``.
+        replicas: Each snapshot goes to this many peers, on other nodes first.
+        warmup_iterations: Iterations profiled (iteration time, device-to-host bandwidth)
+            before the first window is planned.
+        durable_every: Write a dense Lightning checkpoint into ``durable_dir`` every N-th
+            persisted window (Trainer only); ``None``: no durable checkpoints.
+        durable_dir: Where durable checkpoints go; required with ``durable_every``.
+        durable_keep: Newest durable checkpoints kept; older ones are deleted.
+        upstream_logging: Log pipeline-boundary tensors so that only failed stages roll
+            back (localized rollback); ``False``: every rank rolls back (global rollback).
+        operators: Overrides operator discovery for a user's model: a mapping of
+            parameter-name patterns to operator names, or ``(name, param) -> name | None``;
+            ``None``: the built-in rules.
+        top_k: Experts per token, which helps routing telemetry read routers whose output
+            is a plain logits tensor (see :mod:`~lightning_moe_ckpt.targets.telemetry`);
+            ``None``: read from a Hugging Face-style config of the model, if any.
+        router_parser: Reads a router's output the built-in parsing does not understand:
+            ``(output) -> (indices, probabilities)`` (see
+            :mod:`~lightning_moe_ckpt.targets.telemetry`); ``None``: the built-in parsing.
+        same_node_replicas: How a replica peer on this node holds a snapshot: it maps the
+            snapshot's shared memory (``"shared"``: it outlives this process, and no bytes
+            are copied) or receives a copy (``"copied"``).
+        checksum_threads: Threads per rank that checksum large pieces; ``None``: the rank's
+            share of the cores it may run on, at most 8.
+        helper_nice: Added to the nice value of the threads that copy, checksum, replicate
+            and write snapshots, so that on shared cores they yield to the training threads
+            (:mod:`~lightning_moe_ckpt.snapshots.helper_threads`; 0: the same priority).
+        **options: The policy's options, the planner's keyword options (``window=3``,
+            ``interval=10``, ``experts_per_layer=2``, ...).
+
+    Raises:
+        ConfigError: A bad value or an option the policy does not know, naming its
+            ``checkpoint.<key>``.
     """
 
     records_for_replay = True  # its step hook logs the scalars a replay reuses

@@ -218,7 +218,22 @@ def _unclaimed(name: str) -> ConfigError:
 
 def discover_operators(model: nn.Module,
                        override: OperatorOverride | None = None) -> list[Operator]:
-    """The operators of ``model`` in model order (see the module docstring for the rules)."""
+    """The operators of ``model`` in model order (see the module docstring for the rules).
+
+    Args:
+        model: Any model, whole or one rank's part.
+        override: Consulted first, claiming whole parameters: a mapping of ``fnmatch``
+            patterns on parameter names to operator names, or a callable
+            ``(name, param) -> operator name | None``; ``None``: the rules alone.
+
+    Returns:
+        The operators, in model order.
+
+    Raises:
+        ConfigError: The override is malformed, a parameter or buffer belongs to no
+            operator, or a fused experts module's parameters do not share an expert
+            dimension; the message names it.
+    """
     claim = _override_of(override)
     container = _block_container(model)
     fused = _fused_experts(model, container)

@@ -27,7 +27,13 @@ MESH_DIMS = ("pp", "dp", "ep")
 
 @dataclass(frozen=True)
 class Coordinates:
-    """A rank's position in the ``pp x dp x ep`` grid."""
+    """A rank's position in the ``pp x dp x ep`` grid.
+
+    Args:
+        pp: Pipeline position (stage group).
+        dp: Data-parallel replica.
+        ep: Expert-parallel rank.
+    """
 
     pp: int
     dp: int
@@ -36,7 +42,21 @@ class Coordinates:
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """A validated parallel layout for one model."""
+    """A validated parallel layout for one model.
+
+    Build it with :meth:`validate`, which checks it against the model; the constructor
+    checks nothing.
+
+    Args:
+        pp: Pipeline ranks.
+        dp: Data-parallel replicas.
+        ep: Expert-parallel ranks.
+        microbatches: Micro-batches per iteration.
+        n_layers: The model's decoder layers.
+        n_experts: The model's routed experts per MoE layer.
+        schedule: The pipeline schedule, ``"1f1b"`` or ``"interleaved_1f1b"`` (two
+            virtual stages per pipeline rank).
+    """
 
     pp: int
     dp: int

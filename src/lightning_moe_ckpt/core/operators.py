@@ -140,14 +140,25 @@ class OperatorBytes:
 
 @dataclass(frozen=True)
 class Operator:
-    """One checkpointable unit and the parts it owns."""
+    """One checkpointable unit and the parts it owns.
+
+    Args:
+        name: The operator's name, derived from parameter names (the same in every
+            parallel layout).
+        kind: ``"embed"``, ``"attn"``, ``"gate"``, ``"expert"``, ``"shared_experts"``,
+            ``"head"`` or ``"other"``.
+        layer: The block (layer) index; ``None`` outside the blocks.
+        expert: The routed expert's index; ``None`` for any other operator.
+        parts: Whole parameters and slices of fused expert parameters it owns.
+        buffers: Persistent module buffers, in every snapshot piece of the operator.
+    """
 
     name: str
     kind: OperatorKind
     layer: int | None
     expert: int | None
     parts: tuple[Part, ...]
-    buffers: tuple[BufferRef, ...] = ()  # in every snapshot piece of the operator
+    buffers: tuple[BufferRef, ...] = ()
 
     @property
     def params(self) -> tuple[tuple[str, nn.Parameter], ...]:

@@ -89,7 +89,13 @@ class StateFingerprint:
 
 
 class OptimizerStateAccess:
-    """Reads and restores master state of parts in ``optimizer`` (any torch optimizer)."""
+    """Reads and restores master state of parts in ``optimizer`` (any torch optimizer).
+
+    Args:
+        optimizer: The optimizer; a
+            :class:`~lightning_moe_ckpt.core.precision.MasterWeightOptimizer` declares its
+            master weights, any other steps the parameters themselves.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer

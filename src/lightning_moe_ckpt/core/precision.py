@@ -32,7 +32,17 @@ PRECISIONS: tuple[Precision, ...] = ("32", "bf16-master")
 
 
 def parse_precision(value: object) -> Precision:
-    """Validate ``trainer.precision`` (Hydra may hand over the int ``32``)."""
+    """Validate ``trainer.precision`` (Hydra may hand over the int ``32``).
+
+    Args:
+        value: The setting: ``"32"`` (or ``32``) or ``"bf16-master"``.
+
+    Returns:
+        The precision as a string.
+
+    Raises:
+        ConfigError: Any other value.
+    """
     text = str(value)
     if text not in PRECISIONS:
         raise ConfigError(f"trainer.precision={value!r} is not supported; "
@@ -72,6 +82,16 @@ class MasterWeightAdamW(MasterWeightOptimizer):
     In ``32`` mode the master weights are the model parameters themselves. In
     ``bf16-master`` mode they are fp32 copies, and fp32 gradient buffers are allocated
     once and reused every iteration.
+
+    Args:
+        named_params: The model's ``(FQN, parameter)`` pairs, e.g.
+            ``model.named_parameters()``.
+        precision: ``"32"`` or ``"bf16-master"``.
+        lr: AdamW's learning rate.
+        betas: AdamW's betas.
+        eps: AdamW's epsilon.
+        weight_decay: AdamW's weight decay, applied to matrices (parameters of two or more
+            dimensions); vectors such as norm gains do not decay.
     """
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], precision: Precision,

@@ -100,7 +100,16 @@ def _drop_state(state_of: Callable[[nn.Parameter], dict[str, Any] | None],
 
 
 class OperatorRegistry:
-    """The operators of a (possibly partial) model in model order, with freeze control."""
+    """The operators of a (possibly partial) model in model order, with freeze control.
+
+    Args:
+        model: The model, whole or one rank's part.
+        override: Operator discovery's override (see :func:`discover_operators`);
+            ``None``: the built-in rules alone.
+        freeze_by_restore: Freeze whole parameters too by restoring them around the step
+            (:class:`FrozenSlices`) instead of through ``requires_grad``, which cannot
+            change under DDP.
+    """
 
     def __init__(self, model: nn.Module, override: OperatorOverride | None = None,
                  freeze_by_restore: bool = False) -> None:

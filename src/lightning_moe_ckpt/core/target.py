@@ -166,6 +166,12 @@ class TrainingTarget(ABC):
 
     ``step`` counts completed optimizer steps: iteration ``step`` performs optimizer
     step ``step`` (0-based).
+
+    Args:
+        model: This rank's (possibly partial) model.
+        optimizer: Its optimizer.
+        registry: The model's operators; ``None``: discovered from ``model`` by the
+            built-in rules.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,

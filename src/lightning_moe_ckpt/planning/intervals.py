@@ -23,8 +23,23 @@ from lightning_moe_ckpt.errors import require
 
 def ettr_formula(stall_s: float, iteration_s: float, interval: Any, expected_recovery_s: Any,
                  mtbf_s: float) -> Any:
-    """Paper §2.4: runtime-overhead factor times recovery-overhead factor. ``interval`` and
-    ``expected_recovery_s`` may be arrays (one ETTR per candidate interval)."""
+    """Paper §2.4: runtime-overhead factor times recovery-overhead factor.
+
+    Args:
+        stall_s: Runtime overhead of one checkpoint (``T_ckpt``), seconds.
+        iteration_s: Fault-free iteration time (``T_iter``), seconds.
+        interval: Iterations between checkpoints (``k``); may be an array (one ETTR per
+            candidate interval).
+        expected_recovery_s: Expected recovery time (``E[R]``), seconds; may be an array
+            like ``interval``.
+        mtbf_s: Mean time between failures, seconds (> 0).
+
+    Returns:
+        The ETTR, an array where an argument is one.
+
+    Raises:
+        ConfigError: ``mtbf_s`` is not > 0.
+    """
     require(mtbf_s > 0, f"MTBF must be > 0 seconds, got {mtbf_s}")
     runtime = 1.0 / (1.0 + stall_s / (iteration_s * interval))
     return runtime / (1.0 + expected_recovery_s / mtbf_s)
@@ -33,8 +48,18 @@ def ettr_formula(stall_s: float, iteration_s: float, interval: Any, expected_rec
 def oracle_interval(ettr_of: Callable[[np.ndarray], np.ndarray],
                     max_interval: int) -> tuple[int, float]:
     """The interval in ``1..max_interval`` with the highest ETTR (hindsight: Gemini's oracle,
-    paper §5.2), and that ETTR; ties go to the shorter interval. ``ettr_of`` maps an array
-    of intervals to their ETTRs."""
+    paper §5.2), and that ETTR; ties go to the shorter interval.
+
+    Args:
+        ettr_of: Maps an array of intervals to their ETTRs.
+        max_interval: The longest interval considered (>= 1).
+
+    Returns:
+        ``(interval, ettr)``.
+
+    Raises:
+        ConfigError: ``max_interval`` is below 1.
+    """
     require(max_interval >= 1, f"max_interval={max_interval} must be >= 1")
     intervals = np.arange(1, max_interval + 1)
     values = np.asarray(ettr_of(intervals), dtype=float)

@@ -42,10 +42,17 @@ class RecoveryRequest:
     """Ranks ``failed_ranks`` failed during iteration ``failed_step``; a ``cascade``
     strikes while the recovery runs.
 
-    ``ahead_ranks`` are survivors that already finished ``failed_step`` (a real failure
-    seen late): their live state is newer than everyone else's, so they roll back with
-    the failed ranks, but their host memory (own snapshots, replicas held for peers) is
-    intact and serves the recovery like any survivor's.
+    Args:
+        failed_step: The iteration (0-based optimizer step) the ranks failed during.
+        failed_ranks: The ranks that failed; they lost their live state and host memory.
+        cascade: A failure that strikes while the recovery runs; ``None``: none.
+        ahead_ranks: Survivors that already finished ``failed_step`` (a real failure seen
+            late): their live state is newer than everyone else's, so they roll back with
+            the failed ranks, but their host memory (own snapshots, replicas held for
+            peers) is intact and serves the recovery like any survivor's.
+
+    Raises:
+        ValueError: A rank is both failed and ahead.
     """
 
     failed_step: int
@@ -62,7 +69,12 @@ class RecoveryRequest:
 
 @dataclass(frozen=True)
 class DurableFallback:
-    """Where the newest durable checkpoints are (``trainer`` loads them)."""
+    """Where the newest durable checkpoints are (``trainer`` loads them).
+
+    Args:
+        trainer: The Lightning Trainer that loads them.
+        saved: Paths of the durable checkpoints, oldest first (default: none).
+    """
 
     trainer: Any
     saved: Sequence[str] = field(default_factory=tuple)
@@ -70,7 +82,12 @@ class DurableFallback:
 
 @dataclass
 class RecoveryOutcome:
-    """This rank's report (``None`` when it only paused) and the ranks rolled back."""
+    """This rank's report (``None`` when it only paused) and the ranks rolled back.
+
+    Attributes:
+        report: What this rank's recovery did; ``None`` when it only paused.
+        rolled_back: The global ranks that rolled back, ascending.
+    """
 
     report: RecoveryReport | None
     rolled_back: list[int]
@@ -81,7 +98,23 @@ def recover(request: RecoveryRequest, coordinator: CheckpointSide,
             durable: DurableFallback | None = None) -> RecoveryOutcome:
     """Bring this rank back to the state before ``request.failed_step`` (collective when
     the world has several ranks); the target then runs that iteration as if nothing
-    happened."""
+    happened.
+
+    Args:
+        request: Which ranks failed at which iteration; the same on every rank.
+        coordinator: This rank's checkpoint side (its snapshots, replicas and planner).
+        upstream_log: This rank's upstream log; with it (and one pipeline stage per rank)
+            only the failed stages roll back. ``None``: every rank rolls back.
+        durable: Where the durable checkpoints are, the fallback when no window is usable
+            anywhere; ``None``: no durable tier.
+
+    Returns:
+        This rank's report and the ranks rolled back.
+
+    Raises:
+        NoUsableCheckpointError: No window is usable anywhere and there is no durable
+            checkpoint to fall back to.
+    """
     try:
         return _recover(request, coordinator, upstream_log)
     except CorruptCheckpointError as error:  # raised alike on every rank

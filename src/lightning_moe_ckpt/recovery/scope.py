@@ -26,8 +26,9 @@ from lightning_moe_ckpt.core.layout import ParallelPlan
 class RecoveryScope:
     """Ranks that roll back and replay together.
 
-    ``stages`` are pipeline ranks (``pp`` coordinates), ascending; ``ranks`` are the global
-    ranks of their stage groups, ascending.
+    Args:
+        stages: Pipeline ranks (``pp`` coordinates), ascending.
+        ranks: The global ranks of their stage groups, ascending.
     """
 
     stages: tuple[int, ...]
@@ -39,7 +40,17 @@ class RecoveryScope:
 
 
 def adjacent(plan: ParallelPlan, a: int, b: int) -> bool:
-    """Whether pipeline ranks ``a`` and ``b`` exchange boundary tensors."""
+    """Whether pipeline ranks ``a`` and ``b`` exchange boundary tensors.
+
+    Args:
+        plan: The parallel layout.
+        a: A pipeline rank (``pp`` coordinate).
+        b: Another pipeline rank.
+
+    Returns:
+        Whether any stage of ``a`` and any stage of ``b`` are consecutive (a rank is not
+        adjacent to itself).
+    """
     return a != b and any(abs(x - y) == 1 for x in plan.stages_of(a) for y in plan.stages_of(b))
 
 
@@ -48,9 +59,20 @@ def recovery_scopes(plan: ParallelPlan, failed_ranks: Iterable[int], *,
                     ongoing: Sequence[RecoveryScope] = ()) -> list[RecoveryScope]:
     """The scopes after ``failed_ranks`` fail, given the scopes already recovering.
 
-    Returns every scope that must be recovering afterwards, sorted: ongoing scopes the new
-    failures do not touch are returned unchanged (they proceed), touched ones merged with
-    the new failures' positions (they restart, see :func:`restarted`).
+    Args:
+        plan: The parallel layout.
+        failed_ranks: Global ranks that fail now.
+        upstream_logging: Whether boundary tensors are logged; ``False``: every rank rolls
+            back, in one global scope.
+        ongoing: The scopes already recovering (default: none).
+
+    Returns:
+        Every scope that must be recovering afterwards, sorted: ongoing scopes the new
+        failures do not touch are returned unchanged (they proceed), touched ones merged
+        with the new failures' positions (they restart, see :func:`restarted`).
+
+    Raises:
+        ValueError: A rank outside the world.
     """
     failed = sorted(set(failed_ranks))
     for rank in failed:
@@ -90,12 +112,28 @@ def _scope(plan: ParallelPlan, stages: set[int]) -> RecoveryScope:
 
 def restarted(ongoing: Sequence[RecoveryScope],
               scopes: Sequence[RecoveryScope]) -> list[RecoveryScope]:
-    """Scopes of ``scopes`` that must (re)start: new or widened, not merely continuing."""
+    """Scopes of ``scopes`` that must (re)start: new or widened, not merely continuing.
+
+    Args:
+        ongoing: The scopes that were recovering before.
+        scopes: The scopes after the new failures (:func:`recovery_scopes`).
+
+    Returns:
+        The scopes of ``scopes`` not in ``ongoing``, in their order.
+    """
     running = set(ongoing)
     return [scope for scope in scopes if scope not in running]
 
 
 def paused_ranks(scopes: Sequence[RecoveryScope], world_size: int) -> tuple[int, ...]:
-    """Ranks outside every scope: they pause with their live state during recovery."""
+    """Ranks outside every scope: they pause with their live state during recovery.
+
+    Args:
+        scopes: The recovering scopes.
+        world_size: Ranks in the job.
+
+    Returns:
+        The paused global ranks, ascending.
+    """
     busy = {rank for scope in scopes for rank in scope.ranks}
     return tuple(rank for rank in range(world_size) if rank not in busy)

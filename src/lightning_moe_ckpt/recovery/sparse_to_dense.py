@@ -59,9 +59,15 @@ def snapshot_view(snapshot: Snapshot) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Cascade:
-    """A failure during an ongoing recovery (paper Appendix A): ``ranks`` fail once the
-    recovering ranks have replayed ``after_replayed`` iterations; ``fail`` (called on
-    every rank) destroys this rank's state when it is one of them."""
+    """A failure during an ongoing recovery (paper Appendix A).
+
+    Args:
+        ranks: The global ranks that fail.
+        fail: Called on every rank; destroys this rank's state when it is one of
+            ``ranks``.
+        after_replayed: The failure strikes once the recovering ranks have replayed this
+            many iterations.
+    """
 
     ranks: tuple[int, ...]
     fail: Callable[[], None]
@@ -70,19 +76,36 @@ class Cascade:
 
 @dataclass
 class RecoveryReport:
-    """What one recovery did, for ``metrics.json``."""
+    """What one recovery did, for ``metrics.json``.
+
+    Partial restores (MoC, MoEtion) lose updates; exact recoveries report zeros in
+    ``lost_tokens``, ``lost_token_portion`` and ``stale_experts``.
+
+    Attributes:
+        window_start: The step the restored state belongs to (the window's first
+            snapshot, or the durable checkpoint's step).
+        window: Snapshots in the window recovered from (0: a durable checkpoint).
+        failed_step: The iteration that failed; the target runs it next.
+        replayed: Iterations replayed.
+        phases_s: Seconds per recovery phase (``detect``, ``fetch``, ``convert_load``,
+            ``convert``, ``replay``, ``resume``, ``total``; those that ran).
+        forward_backward_calls: Forward-backward passes on this rank during the recovery.
+        lost_tokens: Expert assignments whose update was lost, all layers.
+        lost_token_portion: The policy's lost-token proportion after the recovery.
+        stale_experts: Experts restored from a save older than the rest.
+        rounds: Rounds the recovery took: 2 when a cascading failure restarted it.
+    """
 
     window_start: int
     window: int
     failed_step: int
     replayed: int = 0
     phases_s: dict[str, float] = field(default_factory=dict)
-    forward_backward_calls: int = 0  # on this rank during the recovery
-    # Partial restores (MoC, MoEtion) lose updates; exact recoveries report zeros.
-    lost_tokens: int = 0  # expert assignments whose update was lost, all layers
-    lost_token_portion: float = 0.0  # the policy's lost-token proportion after it
-    stale_experts: tuple[str, ...] = ()  # experts restored from a save older than the rest
-    rounds: int = 1  # 2 when a cascading failure restarted the recovery
+    forward_backward_calls: int = 0
+    lost_tokens: int = 0
+    lost_token_portion: float = 0.0
+    stale_experts: tuple[str, ...] = ()
+    rounds: int = 1
 
     def merge_restart(self, earlier: RecoveryReport) -> None:
         """Fold in the work of an interrupted earlier round (its replay was wasted)."""

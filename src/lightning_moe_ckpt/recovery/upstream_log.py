@@ -35,7 +35,12 @@ Tensors = tuple[torch.Tensor | None, ...]
 
 @dataclass(frozen=True)
 class LoggedBatch:
-    """Stage 0's input tokens and/or the last stage's labels for one iteration."""
+    """Stage 0's input tokens and/or the last stage's labels for one iteration.
+
+    Attributes:
+        inputs: Stage 0's input tokens (host copy); ``None``: not logged on this rank.
+        targets: The last stage's labels (host copy); ``None``: not logged on this rank.
+    """
 
     inputs: torch.Tensor | None
     targets: torch.Tensor | None
@@ -43,7 +48,13 @@ class LoggedBatch:
 
 @dataclass(frozen=True)
 class IterationScalars:
-    """Per-iteration values replay must reuse rather than recompute (host copies)."""
+    """Per-iteration values replay must reuse rather than recompute (host copies).
+
+    Attributes:
+        clip_coef: The gradient-clipping coefficient the iteration applied.
+        loss_scale: The loss scale of the iteration.
+        lr: The learning rate of the iteration's optimizer step.
+    """
 
     clip_coef: torch.Tensor | float
     loss_scale: torch.Tensor | float
@@ -60,6 +71,9 @@ class LogBufferPool:
     hot-path allocation (a large one a fresh mapping the kernel faults in page by page;
     a pinned one slow and fragmenting host memory), so buffers freed by
     :meth:`UpstreamLog.release_before` are kept for the next iterations' identical shapes.
+
+    Args:
+        pin_memory: Whether new buffers are pinned host memory.
     """
 
     def __init__(self, pin_memory: bool) -> None:
@@ -100,7 +114,12 @@ class _Scalars:
 
 
 class UpstreamLog:
-    """Host-side log of one rank's boundary sends, inputs/labels and scalars."""
+    """Host-side log of one rank's boundary sends, inputs/labels and scalars.
+
+    Args:
+        pin_memory: Whether its host buffers are pinned; ``None``: pinned when CUDA is
+            available.
+    """
 
     def __init__(self, pin_memory: bool | None = None) -> None:
         cuda = torch.cuda.is_available()

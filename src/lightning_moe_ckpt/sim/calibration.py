@@ -44,15 +44,26 @@ from lightning_moe_ckpt.errors import fmt, require
 
 @dataclass(frozen=True)
 class Calibration:
-    """Fitted constants (units in the comments); defaults are neutral."""
+    """Fitted constants; defaults are neutral.
 
-    host_network_efficiency: float = 1.0  # share of NIC line rate for peer copies, (0, 1]
-    storage_efficiency: float = 1.0  # share of storage line rate for checkpoint files, (0, 1]
-    persist_latency_s: float = 0.0  # seconds per persisted checkpoint beyond the bytes, >= 0
-    partial_snapshot_efficiency: float = 1.0  # share of PCIe rate MoC snapshots reach, (0, 1]
-    copy_interference: float = 0.0  # training slowdown per unit PCIe busy share, >= 0
-    network_interference: float = 0.0  # training slowdown per unit NIC busy share, >= 0
-    global_restart_s_per_doubling: float = 0.0  # s per doubling of the nodes, >= 0
+    Args:
+        host_network_efficiency: Share of NIC line rate for peer copies, in (0, 1].
+        storage_efficiency: Share of storage line rate for checkpoint files, in (0, 1].
+        persist_latency_s: Seconds per persisted checkpoint beyond the bytes, >= 0.
+        partial_snapshot_efficiency: Share of PCIe rate MoC snapshots reach, in (0, 1].
+        copy_interference: Training slowdown per unit PCIe busy share, >= 0.
+        network_interference: Training slowdown per unit NIC busy share, >= 0.
+        global_restart_s_per_doubling: Seconds of a global restart per doubling of the
+            nodes, >= 0.
+    """
+
+    host_network_efficiency: float = 1.0
+    storage_efficiency: float = 1.0
+    persist_latency_s: float = 0.0
+    partial_snapshot_efficiency: float = 1.0
+    copy_interference: float = 0.0
+    network_interference: float = 0.0
+    global_restart_s_per_doubling: float = 0.0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None,

@@ -33,11 +33,21 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AnalyticResult:
+    """The expected ETTR of a policy over a run (:func:`analytic_ettr`).
+
+    Attributes:
+        ettr: Expected effective training time ratio.
+        failures: Expected failures in the run.
+        total_recovery_s: Expected recovery time summed over the run.
+        final_note: The regime in force at the end (e.g. MoC's final K).
+        mean_overhead: Runtime overhead averaged over the run's useful iterations.
+    """
+
     ettr: float
-    failures: float  # expected failures in the run
-    total_recovery_s: float  # expected recovery time summed over the run
-    final_note: str  # the regime in force at the end (e.g. MoC's final K)
-    mean_overhead: float  # runtime overhead averaged over the run's useful iterations
+    failures: float
+    total_recovery_s: float
+    final_note: str
+    mean_overhead: float
 
 
 def _expected_cycles(policy: Policy, mtbf_s: float, run_s: float,
@@ -73,6 +83,18 @@ def analytic_ettr(policy: Policy, mtbf_s: float, run_s: float,
     (MoC's lost tokens, bursty under popularity skew), the result is the mean over
     ``transition_draws`` trajectories with seeded draws of it (fixed seed: deterministic),
     since a threshold on accumulated losses reacts to bursts, not only to their mean.
+
+    Args:
+        policy: The planned policy.
+        mtbf_s: Mean time between failures, seconds (> 0).
+        run_s: The run's length, seconds.
+        transition_draws: Trajectories averaged for a dynamic policy.
+
+    Returns:
+        The expected ETTR, failures, recovery time and overhead.
+
+    Raises:
+        ConfigError: ``mtbf_s`` is not > 0.
     """
     require(mtbf_s > 0, f"MTBF must be > 0 seconds, got {mtbf_s}")
     if not policy.dynamic:
@@ -102,9 +124,15 @@ def _most_common(notes: Iterable[str]) -> str:
 
 @dataclass(frozen=True)
 class MonteCarloResult:
-    """ETTR and recovery statistics over independent runs."""
+    """ETTR and recovery statistics over independent runs.
 
-    ettr: np.ndarray  # one value per run
+    Attributes:
+        ettr: ETTR of each run.
+        total_recovery_s: Recovery time of each run, seconds.
+        failures: Failures in each run.
+    """
+
+    ettr: np.ndarray
     total_recovery_s: np.ndarray
     failures: np.ndarray
 
@@ -148,7 +176,21 @@ def _static_runs(policy: Policy, mtbf_s: float, run_s: float, runs: int,
 
 def monte_carlo_ettr(policy: Policy, mtbf_s: float, run_s: float, runs: int,
                      rng: np.random.Generator) -> MonteCarloResult:
-    """ETTR over ``runs`` runs of ``run_s`` seconds with Poisson failures."""
+    """ETTR over ``runs`` runs of ``run_s`` seconds with Poisson failures.
+
+    Args:
+        policy: The planned policy.
+        mtbf_s: Mean time between failures, seconds (> 0).
+        run_s: Each run's length, seconds.
+        runs: Independent runs (>= 1).
+        rng: Draws the failure times and the recovery costs.
+
+    Returns:
+        Per-run ETTR, recovery time and failure count.
+
+    Raises:
+        ConfigError: ``mtbf_s`` is not > 0 or ``runs`` is below 1.
+    """
     require(mtbf_s > 0, f"MTBF must be > 0 seconds, got {mtbf_s}")
     require(runs >= 1, f"Monte-Carlo runs={runs} must be >= 1")
     if not policy.dynamic:
@@ -173,7 +215,19 @@ def monte_carlo_ettr(policy: Policy, mtbf_s: float, run_s: float, runs: int,
 def trace_ettr(policy: Policy, failure_times_s: Sequence[float], run_s: float,
                rng: np.random.Generator, runs: int = 1) -> MonteCarloResult:
     """ETTR when failures strike at the given wall-clock times (a failure trace). Recovery
-    costs are still random (where in the checkpoint cycle each failure lands)."""
+    costs are still random (where in the checkpoint cycle each failure lands).
+
+    Args:
+        policy: The planned policy.
+        failure_times_s: Failure times, seconds from the start of the run; those outside
+            ``[0, run_s)`` are ignored.
+        run_s: The run's length, seconds.
+        rng: Draws the recovery costs.
+        runs: Runs over the same trace.
+
+    Returns:
+        Per-run ETTR, recovery time and failure count.
+    """
     times = sorted(float(t) for t in failure_times_s if 0 <= t < run_s)
     ettr, totals, counts = np.empty(runs), np.empty(runs), np.empty(runs)
     for run in range(runs):

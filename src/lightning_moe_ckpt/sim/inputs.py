@@ -35,22 +35,43 @@ def _positive(key: str, value: Any, integer: bool = False) -> None:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """One homogeneous GPU cluster (``hardware.cluster``); rates as configured, in Gbit/s."""
+    """One homogeneous GPU cluster (``hardware.cluster``); rates as configured, in Gbit/s.
+
+    The constructor checks nothing; :meth:`from_mapping` and :meth:`validate` do.
+
+    Args:
+        name: The cluster's name (reported in outputs).
+        gpus_per_node: GPUs per node.
+        peak_tflops: Dense 16-bit tensor-core peak per GPU, TFLOP/s.
+        mfu: Fraction of peak the stage GEMMs sustain, in (0, 1].
+        device_memory_gbps: HBM bandwidth; bounds the optimizer step.
+        intra_node_gbps: Per-GPU NVLink bandwidth.
+        inter_node_gbps: Per-node NIC bandwidth, shared by its GPUs.
+        device_to_host_gbps: Per-GPU PCIe bandwidth.
+        remote_storage_gbps: Aggregate bandwidth of the whole cluster to durable storage.
+        host_memory_gb: Host memory per node, GB.
+        intra_node_latency_us: Collective latency within a node, microseconds (the alpha
+            term of the collective model).
+        inter_node_latency_us: Collective latency across nodes, microseconds.
+        fp8_tflops: Dense FP8 peak per GPU, TFLOP/s; 0: no FP8 tensor cores.
+        fp32_tflops: FP32 (TF32 tensor core) peak per GPU, TFLOP/s; ``None``: half the
+            16-bit peak.
+    """
 
     name: str
     gpus_per_node: int
-    peak_tflops: float  # dense 16-bit tensor-core peak per GPU
-    mfu: float  # fraction of peak the stage GEMMs sustain
-    device_memory_gbps: float  # HBM bandwidth, bounds the optimizer step
-    intra_node_gbps: float  # per-GPU NVLink bandwidth
-    inter_node_gbps: float  # per-node NIC bandwidth, shared by its GPUs
-    device_to_host_gbps: float  # per-GPU PCIe bandwidth
-    remote_storage_gbps: float  # aggregate bandwidth of the whole cluster to durable storage
+    peak_tflops: float
+    mfu: float
+    device_memory_gbps: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    device_to_host_gbps: float
+    remote_storage_gbps: float
     host_memory_gb: float
-    intra_node_latency_us: float  # alpha term of the collective model
+    intra_node_latency_us: float
     inter_node_latency_us: float
-    fp8_tflops: float = 0.0  # 0: no FP8 tensor cores
-    fp32_tflops: float | None = None  # None: TF32 tensor cores at half the 16-bit peak
+    fp8_tflops: float = 0.0
+    fp32_tflops: float | None = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], name: str = "",
@@ -126,11 +147,22 @@ class ClusterSpec:
 class JobPlan:
     """Layout and batch shape of one training job.
 
-    ``micro_batch`` sequences form one pipeline micro-batch; they are split over the
-    ``dp x ep`` data-parallel ranks of a stage, and ``global_batch / micro_batch``
-    micro-batches flow through the 1F1B pipeline per iteration. ``virtual_stages`` is the
-    interleaved 1F1B schedule's model chunks per GPU (the paper's DeepSpeed runs use one
-    such schedule, §5.1): the pipeline bubble shrinks to ``(pp - 1) / virtual_stages`` slots.
+    ``global_batch / micro_batch`` micro-batches flow through the 1F1B pipeline per
+    iteration. The constructor checks nothing; :meth:`from_mapping` and :meth:`validate`
+    do.
+
+    Args:
+        pp: Pipeline stages.
+        dp: Data-parallel replicas.
+        ep: Expert-parallel ranks (carved out of data parallelism).
+        global_batch: Sequences per iteration; a multiple of ``micro_batch``.
+        micro_batch: Sequences of one pipeline micro-batch; they are split over the
+            ``dp x ep`` data-parallel ranks of a stage.
+        seq_len: Tokens per sequence.
+        gpus: The job's GPUs, checked against ``pp x dp x ep``; ``None``: not given.
+        virtual_stages: The interleaved 1F1B schedule's model chunks per GPU (the paper's
+            DeepSpeed runs use one such schedule, §5.1): the pipeline bubble shrinks to
+            ``(pp - 1) / virtual_stages`` slots.
     """
 
     pp: int
@@ -217,18 +249,27 @@ class JobPlan:
 class PrecisionSpec:
     """Bytes per parameter element of each kind of state, and the GEMM format.
 
-    ``native_dtype`` marks the precisions the library trains in (``trainer.precision``):
-    their bytes are read from the real parameters' dtypes via the operator registry; the
-    others multiply parameter counts by the table's bytes per element.
+    Args:
+        name: The precision's name (a key of :data:`PRECISIONS`).
+        compute_format: The GEMM format: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"fp8"``.
+        compute_bytes: Weights read by forward/backward.
+        master_bytes: Master weights.
+        optimizer_bytes: AdamW first + second moment.
+        activation_bytes: Activations and gradients on the wire.
+        grad_bytes: Gradients reduced over data parallel ranks.
+        native_dtype: Marks the precisions the library trains in (``trainer.precision``):
+            their bytes are read from the real parameters' dtypes via the operator
+            registry; ``None``: the others multiply parameter counts by the table's bytes
+            per element.
     """
 
     name: str
     compute_format: ComputeFormat
-    compute_bytes: float  # weights read by forward/backward
-    master_bytes: float  # master weights
-    optimizer_bytes: float  # AdamW first + second moment
-    activation_bytes: float  # activations and gradients on the wire
-    grad_bytes: float  # gradients reduced over data parallel ranks
+    compute_bytes: float
+    master_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    grad_bytes: float
     native_dtype: torch.dtype | None = None
 
     @property

@@ -29,17 +29,35 @@ from lightning_moe_ckpt.sim.workload import OperatorCost, Stage, build_operators
 
 @dataclass(frozen=True)
 class JobSpec:
-    """Everything that defines a simulated job; ``key`` prefixes error messages."""
+    """Everything that defines a simulated job. :func:`build_job` validates it.
+
+    Args:
+        model: The model's shape.
+        plan: Its layout and batch shape.
+        cluster: The cluster it runs on.
+        precision: Bytes per parameter element and the GEMM format.
+        replicas: Peer copies of in-memory checkpoints (paper §4: r = 2).
+        popularity_alpha: The Dirichlet alpha of the expert popularity; ``None``: balanced
+            routing.
+        popularity_seed: Seed of the popularity draw.
+        grad_sync_overlap: Share of the gradient all-reduce hidden behind backward, in
+            [0, 1).
+        restart_s: Failure detection plus replacement, seconds, equal for every policy.
+        profile: Measured timings that replace the cluster's estimates; ``None``: the
+            estimates.
+        calibration: The fitted constants; default: neutral.
+        key: Prefixes error messages (the configuration key of the job).
+    """
 
     model: MoEModelConfig
     plan: JobPlan
     cluster: ClusterSpec
     precision: PrecisionSpec
-    replicas: int = 2  # peer copies of in-memory checkpoints (paper §4: r = 2)
-    popularity_alpha: float | None = None  # Dirichlet alpha; None = balanced routing
+    replicas: int = 2
+    popularity_alpha: float | None = None
     popularity_seed: int = 0
     grad_sync_overlap: float = 0.0
-    restart_s: float = 0.0  # failure detection + replacement, equal for every policy
+    restart_s: float = 0.0
     profile: MeasuredProfile | None = None
     calibration: Calibration = NEUTRAL
     key: str = "sim"
@@ -47,7 +65,15 @@ class JobSpec:
 
 @dataclass
 class SimJob:
-    """A built job: operators, stages, iteration time, and checkpoint transfer rates."""
+    """A built job: operators, stages, iteration time, and checkpoint transfer rates.
+
+    Attributes:
+        spec: What defines the job.
+        shares: Expert token shares, ``[layers, experts]``.
+        operators: The checkpointable operators with their state bytes and FLOPs.
+        stages: The pipeline stages and the share of state each of their GPUs holds.
+        timing: The fault-free iteration's timing model.
+    """
 
     spec: JobSpec
     shares: np.ndarray
@@ -179,7 +205,18 @@ class SimJob:
 
 
 def build_job(spec: JobSpec) -> SimJob:
-    """Validate ``spec`` and build the job's operators, stages and timing."""
+    """Validate ``spec`` and build the job's operators, stages and timing.
+
+    Args:
+        spec: The job.
+
+    Returns:
+        The built job.
+
+    Raises:
+        ConfigError: A value out of range or a plan that cannot hold the model, naming
+            the key (prefixed by ``spec.key``).
+    """
     key = spec.key
     spec.plan.check_model(spec.model, key)
     require(isinstance(spec.replicas, int) and spec.replicas >= 0,

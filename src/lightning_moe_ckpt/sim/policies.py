@@ -24,12 +24,23 @@ POLICY_NAMES: tuple[str, ...] = ("checkfreq", "gemini", "moc", "moetion", "moeve
 
 @dataclass(frozen=True)
 class PolicySettings:
-    """Policy knobs (``sim.policy``); defaults are the papers' settings."""
+    """Policy knobs (``sim.policy``); defaults are the papers' settings.
 
-    checkfreq_max_overhead: float = 0.03  # CheckFreq caps overhead at 3% (MoEvement §5.2)
-    max_interval: int = 5000  # upper end of the interval searches
-    moc_lost_token_budget: float = 0.0375  # MoC §3.1: accuracy holds up to 3.75% PLT
-    moc_initial_fraction: float = 0.125  # MoC starts at 12.5% of experts (MoEvement Fig. 10c)
+    Args:
+        checkfreq_max_overhead: CheckFreq's overhead cap (3%, MoEvement §5.2).
+        max_interval: Upper end of the interval searches (Gemini's oracle sweep,
+            CheckFreq's search).
+        moc_lost_token_budget: MoC's lost-token budget (§3.1: accuracy holds up to 3.75%
+            PLT).
+        moc_initial_fraction: MoC's initial share of experts per snapshot (12.5%,
+            MoEvement Fig. 10c).
+        seed: Seed of MoC's per-failure token losses.
+    """
+
+    checkfreq_max_overhead: float = 0.03
+    max_interval: int = 5000
+    moc_lost_token_budget: float = 0.0375
+    moc_initial_fraction: float = 0.125
     seed: int = 0
 
     @classmethod
@@ -68,8 +79,22 @@ def check_policy_names(names: object, key: str = "sim.policies") -> tuple[str, .
 
 def make_policy(name: str, job: SimJob, mtbf_s: float, run_s: float,
                 settings: PolicySettings = PolicySettings()) -> Policy:
-    """Plan policy ``name`` for ``job`` (Gemini's oracle interval depends on ``mtbf_s``,
-    MoC's lost-token budget on the run length ``run_s``)."""
+    """Plan policy ``name`` for ``job``.
+
+    Args:
+        name: One of :data:`POLICY_NAMES`.
+        job: The built job.
+        mtbf_s: Mean time between failures, seconds (> 0); Gemini's oracle interval
+            depends on it.
+        run_s: The run's length, seconds; MoC's lost-token budget depends on it.
+        settings: The policies' knobs; default: the papers' settings.
+
+    Returns:
+        The planned policy.
+
+    Raises:
+        ConfigError: An unknown policy name, or ``mtbf_s`` not > 0.
+    """
     require(mtbf_s > 0, f"MTBF must be > 0, got {mtbf_s} s")
     if name == "moevement":
         return plan_moevement(job)

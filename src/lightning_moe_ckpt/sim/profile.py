@@ -66,7 +66,21 @@ class StageProfile:
 
 @dataclass(frozen=True)
 class MeasuredProfile:
-    """A parsed profile file."""
+    """A parsed profile file (see the module docstring for the schema).
+
+    Attributes:
+        path: The file it was read from.
+        stages: Per pipeline stage, the measured forward and backward seconds per
+            micro-batch on one GPU.
+        model: The model it was measured on; ``None``: not given.
+        pp: Pipeline stages of the measured run; ``None``: not given.
+        microbatches: Micro-batches of the measured run; ``None``: not given.
+        grad_sync_s: Gradient all-reduce per iteration, seconds; ``None``: modelled.
+        optimizer_s: Optimizer step per iteration, seconds; ``None``: modelled.
+        iteration_s: The measured fault-free iteration, seconds; ``None``: not given.
+        bandwidth_gbps: Measured rates in Gbit/s (``device_to_host``, ``intra_node``,
+            ``inter_node``, ``remote_storage``; each optional), replacing the preset's.
+    """
 
     path: str
     stages: tuple[StageProfile, ...]
@@ -158,7 +172,18 @@ def parse_profile(data: Any, path: str = "<profile>", key: str = "sim.profile") 
 
 
 def load_profile(path: str | Path, key: str = "sim.profile") -> MeasuredProfile:
-    """Read and validate a profile file written by ``recipes/bench.py``."""
+    """Read and validate a profile file written by ``recipes/bench.py``.
+
+    Args:
+        path: The JSON file.
+        key: The configuration key the path came from, naming it in errors.
+
+    Returns:
+        The parsed profile.
+
+    Raises:
+        ConfigError: The file is missing, not valid JSON or not a valid profile.
+    """
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{key}={str(path)!r}: no such profile file")

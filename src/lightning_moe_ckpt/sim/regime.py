@@ -23,16 +23,28 @@ from lightning_moe_ckpt.sim.recovery import RecoveryModel
 
 @dataclass(frozen=True)
 class Regime:
-    """A policy's checkpoint cadence, stall and recovery while its parameters hold."""
+    """A policy's checkpoint cadence, stall and recovery while its parameters hold.
 
-    interval: int  # iterations between checkpoint starts
-    window: int  # iterations one complete checkpoint spans
-    stall_s: float  # stall per checkpoint beyond the overlap with training
-    iteration_s: float  # fault-free iteration time
+    Args:
+        interval: Iterations between checkpoint starts.
+        window: Iterations one complete checkpoint spans (MoEvement's ``W_sparse``, 1 for
+            dense checkpoints).
+        stall_s: Stall per checkpoint beyond the overlap with training, seconds.
+        iteration_s: Fault-free iteration time, seconds.
+        recovery: The recovery-time model.
+        snapshot_bytes_per_gpu: Largest single snapshot a GPU moves.
+        note: Describes the regime in reports (e.g. MoC's K).
+        interference: Slowdown fraction from checkpoint traffic sharing links.
+    """
+
+    interval: int
+    window: int
+    stall_s: float
+    iteration_s: float
     recovery: RecoveryModel
-    snapshot_bytes_per_gpu: float  # largest single snapshot a GPU moves
+    snapshot_bytes_per_gpu: float
     note: str = ""
-    interference: float = 0.0  # slowdown fraction from checkpoint traffic sharing links
+    interference: float = 0.0
 
     @property
     def stall_overhead(self) -> float:

@@ -29,7 +29,19 @@ def _times(values: Any, where: str) -> tuple[float, ...]:
 
 
 def load_failure_trace(path: str | Path, key: str = "sim.failures.trace") -> tuple[float, ...]:
-    """Failure times in seconds from the start of the run, sorted."""
+    """Failure times in seconds from the start of the run, sorted.
+
+    Args:
+        path: A JSON file (``{"failure_times_s": [...]}`` or a bare list) or plain text
+            with one time in seconds per line (``#`` starts a comment).
+        key: The configuration key the path came from, naming it in errors.
+
+    Returns:
+        The failure times, sorted.
+
+    Raises:
+        ConfigError: The file is missing or malformed, or a time is not finite and >= 0.
+    """
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{key}={str(path)!r}: no such failure trace file")

@@ -25,7 +25,17 @@ from lightning_moe_ckpt.training.settings import TrainingSettings
 
 
 class MoEParallelCore:
-    """Layout, device mesh and engine construction for one rank."""
+    """Layout, device mesh and engine construction for one rank.
+
+    Args:
+        pp: Pipeline stages.
+        dp: Data-parallel replicas; ``"auto"``: what ``pp x ep`` leaves of the world size.
+        ep: Expert-parallel ranks; must divide the model's experts.
+        schedule: The pipeline schedule, ``"1f1b"`` or ``"interleaved_1f1b"``.
+
+    Raises:
+        ConfigError: An unknown ``schedule``.
+    """
 
     def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
                  schedule: str = "1f1b") -> None:

@@ -54,7 +54,26 @@ from lightning_moe_ckpt.training.settings import TrainingSettings
 
 
 class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvider):
-    """Trainer strategy running a :class:`TrainingEngine` per rank over a pp x dp x ep mesh."""
+    """Trainer strategy running a :class:`TrainingEngine` per rank over a pp x dp x ep mesh.
+
+    Args:
+        pp: Pipeline stages.
+        dp: Data-parallel replicas; ``"auto"``: what ``pp x ep`` leaves of the world size.
+        ep: Expert-parallel ranks; must divide the model's experts.
+        schedule: The pipeline schedule, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        process_group_backend: The process groups' backend (``"gloo"``, ``"nccl"``);
+            ``None``: the default for the device.
+        timeout: Timeout of the default process group's collectives (outside the
+            supervisor).
+        recovery_timeout_s: Under the supervisor: its hang timeout (``recovery.timeout_s``),
+            from which the collective timeout is derived (a third of it).
+        microbatches: Micro-batches per batch of a user's model split by a plan.
+        parallelize_fn: Splits a user's model for which the library has no built-in plan:
+            ``(model, mesh) -> StagedModel``; ``None``: the built-in plans.
+
+    Raises:
+        ConfigError: An unknown ``schedule``, or ``microbatches`` below 1.
+    """
 
     def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
                  schedule: str = "1f1b", process_group_backend: str | None = None,

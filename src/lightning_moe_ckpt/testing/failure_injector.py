@@ -65,7 +65,20 @@ def fail_for_real(event: FailureEvent) -> None:
 
 
 class FailureInjector(L.Callback, StepHooks):
-    """Injects the failures of ``schedule`` and recovers through ``checkpointing``."""
+    """Injects the failures of ``schedule`` and recovers through ``checkpointing``.
+
+    Place it after ``checkpointing`` in the Trainer's callbacks.
+
+    Args:
+        schedule: When and where ranks fail: an :class:`~.faults.AtSchedule`,
+            :class:`~.faults.MtbfSchedule`, :class:`~.faults.TraceSchedule` or
+            :class:`~.faults.NoFaults`.
+        checkpointing: The callback recovery goes through; it must be among the Trainer's
+            callbacks.
+
+    Raises:
+        TypeError: ``checkpointing`` is not a :class:`SparseCheckpointing`.
+    """
 
     def __init__(self, schedule: FaultSchedule, checkpointing: SparseCheckpointing) -> None:
         if not isinstance(checkpointing, SparseCheckpointing):

@@ -49,7 +49,18 @@ KINDS: tuple[FaultKind, ...] = ("simulated", "kill", "exit", "exception", "hang"
 
 @dataclass(frozen=True, order=True)
 class FailureEvent:
-    """Rank ``rank`` fails during ``phase`` of optimizer step ``step``."""
+    """Rank ``rank`` fails during ``phase`` of optimizer step ``step``.
+
+    Args:
+        step: The optimizer step (0-based) the failure strikes.
+        rank: The rank that fails.
+        phase: The phase of the step it fails in (one of :data:`PHASES`); default
+            ``"optimizer"``.
+        kind: How it fails: ``"simulated"`` (default; its state is destroyed in place and
+            every rank recovers together) or a real failure the rank does to itself:
+            ``"kill"`` (SIGKILL), ``"exit"`` (``os._exit(1)``), ``"exception"`` (an
+            exception in the training step) or ``"hang"`` (no progress).
+    """
 
     step: int
     rank: int
@@ -102,8 +113,23 @@ def parse_kind(value: object, key: str) -> FaultKind:
 def parse_event(row: Mapping[str, Any], where: str, world_size: int | None = None,
                 default_phase: Phase = "optimizer",
                 default_kind: FaultKind = "simulated") -> FailureEvent:
-    """One ``{step, rank[, phase, kind]}`` row; ``where`` names it in errors
-    (e.g. ``faults.events[0]``)."""
+    """One ``{step, rank[, phase, kind]}`` row, validated.
+
+    Args:
+        row: The row: ``step`` and ``rank`` (integers >= 0), optionally ``phase`` and
+            ``kind``.
+        where: Names the row in errors (e.g. ``faults.events[0]``).
+        world_size: Ranks in the job; a rank outside it is refused. ``None``: not checked.
+        default_phase: The phase of a row that gives none.
+        default_kind: The kind of a row that gives none.
+
+    Returns:
+        The failure event.
+
+    Raises:
+        ConfigError: The row has unknown keys, lacks ``step`` or ``rank``, or has a bad
+            value; the message names it by ``where``.
+    """
     require(isinstance(row, Mapping), f"{where}={row!r} must be a mapping {{step, rank}}")
     unknown = sorted(set(row) - {"step", "rank", "phase", "kind"})
     require(not unknown,
@@ -129,7 +155,19 @@ def parse_event(row: Mapping[str, Any], where: str, world_size: int | None = Non
 
 
 class AtSchedule(_ListedSchedule):
-    """``faults=at``: the listed ``{step, rank[, phase]}`` failures."""
+    """``faults=at``: the listed ``{step, rank[, phase]}`` failures.
+
+    Args:
+        events: The failures: events, or ``{step, rank[, phase, kind]}`` rows (each
+            validated by :func:`parse_event`).
+        world_size: Ranks in the job; an event on a rank outside it is refused. ``None``:
+            not checked.
+        key: The configuration key the events came from, naming them in errors.
+        kind: The kind of an event that gives none (``faults.kind``).
+
+    Raises:
+        ConfigError: An event is malformed; the message names it (``faults.events[i]``).
+    """
 
     def __init__(self, events: Iterable[FailureEvent | Mapping[str, Any]],
                  world_size: int | None = None, key: str = "faults.events",
@@ -145,9 +183,21 @@ class AtSchedule(_ListedSchedule):
 
 
 class MtbfSchedule(_ListedSchedule):
-    """``faults=mtbf``: a Poisson process of failures with mean ``mtbf_steps`` steps between
-    them, on uniformly random ranks, over ``max_steps`` steps; the same seed gives the same
-    failures. Failure times are continuous; a failure fires in the step it falls in."""
+    """``faults=mtbf``: a Poisson process of failures on uniformly random ranks.
+
+    The same seed gives the same failures. Failure times are continuous; a failure fires in
+    the step it falls in.
+
+    Args:
+        mtbf_steps: Mean steps between failures (a finite number > 0).
+        world_size: Ranks in the job; failures strike uniformly random ones.
+        seed: Seed of the schedule's private random generator.
+        max_steps: Steps the run trains; failures are drawn over them.
+        phase: The phase every failure strikes in.
+
+    Raises:
+        ConfigError: A bad value, naming its ``faults.<key>``.
+    """
 
     def __init__(self, mtbf_steps: float, world_size: int, seed: int, max_steps: int,
                  phase: Phase = "optimizer") -> None:
@@ -175,6 +225,18 @@ class TraceSchedule(_ListedSchedule):
     JSON: a list of rows, or ``{"events": [...]}``. CSV: a header naming the columns. A row
     has ``rank``, optionally ``phase``, and either ``step`` or ``time_s`` (seconds since
     the start of training, converted to the step running then with ``iteration_s``).
+
+    Args:
+        path: The ``.json`` or ``.csv`` file.
+        world_size: Ranks in the job; a row on a rank outside it is refused. ``None``: not
+            checked.
+        iteration_s: Seconds per step, converting ``time_s`` rows to steps; ``None``: the
+            trace must give steps.
+        key: The configuration key the path came from, naming it in errors.
+
+    Raises:
+        ConfigError: The file is missing, unreadable or has a bad row; the message names
+            the file and the row.
     """
 
     def __init__(self, path: str | Path, world_size: int | None = None,
@@ -242,8 +304,22 @@ def schedule_from_config(values: Mapping[str, Any], *, world_size: int, max_step
                          seed: int, iteration_s: float | None = None) -> FaultSchedule:
     """The schedule of a ``faults`` config section (``name`` in none, at, mtbf, trace).
 
-    ``faults.seed`` defaults to ``seed``; ``faults.iteration_s`` (converting a trace's
-    ``time_s``) defaults to ``iteration_s``, e.g. a profiled iteration time."""
+    Args:
+        values: The ``faults`` section: ``name`` and the keys of that schedule.
+        world_size: Ranks in the job.
+        max_steps: Steps the run trains; a failure at a later step is refused.
+        seed: The default of ``faults.seed``.
+        iteration_s: The default of ``faults.iteration_s`` (converting a trace's
+            ``time_s``), e.g. a profiled iteration time; ``None``: no default.
+
+    Returns:
+        The schedule; with a ``faults.kind`` other than ``simulated`` every event has that
+        kind.
+
+    Raises:
+        ConfigError: A bad value, or a failure that would never fire (outside the world or
+            past ``max_steps``); the message names the key.
+    """
     name = values.get("name", "none")
     require(name in SCHEDULES,
             f"{fmt('faults.name', name)} is unknown; choose one of {', '.join(SCHEDULES)}")
@@ -301,7 +377,11 @@ def has_real_faults(schedule: FaultSchedule) -> bool:
 
 @dataclass
 class FailureCounter:
-    """What the injector fired, for metrics."""
+    """What the injector fired, for metrics.
+
+    Args:
+        events: The fired failures, in firing order (default: none yet).
+    """
 
     events: list[FailureEvent] = field(default_factory=list)
 
@@ -332,13 +412,22 @@ class FailureCounter:
 
 @dataclass(frozen=True)
 class LostState:
-    """What :func:`destroy_rank_state` destroyed (counts)."""
+    """What :func:`destroy_rank_state` destroyed (counts).
+
+    Attributes:
+        parameters: Parameters (compute weights) garbled.
+        master_weights: Master weights garbled (those that are not the parameters
+            themselves).
+        optimizer_states: Parameters whose optimizer state was emptied.
+        host_stores: Local host stores dropped (the callables called).
+        buffers: Persistent module buffers garbled.
+    """
 
     parameters: int
     master_weights: int
     optimizer_states: int
     host_stores: int
-    buffers: int = 0  # persistent module buffers
+    buffers: int = 0
 
 
 @torch.no_grad()
@@ -354,6 +443,22 @@ def destroy_rank_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
     same way and the optimizer state is emptied; each callable in ``host_state_droppers``
     drops one local host store (snapshots, upstream log). Tensors are overwritten rather
     than replaced, so every reference the training objects hold sees the loss.
+
+    Args:
+        model: The module whose parameters and persistent buffers are garbled.
+        optimizer: Its optimizer, whose master weights are garbled and whose state is
+            emptied; ``None``: no optimizer state to destroy.
+        host_state_droppers: Callables that each drop one local host store.
+        garbage: What overwrites the tensors: ``"nan"`` (integer tensors get random
+            values) or ``"random"`` (large random values: finite, but nothing like a
+            trained weight).
+        seed: Seed of the random values.
+
+    Returns:
+        What was destroyed (counts).
+
+    Raises:
+        ConfigError: ``garbage`` is neither ``"nan"`` nor ``"random"``.
     """
     require(garbage in ("nan", "random"),
             f"garbage={garbage!r} is unknown; choose nan or random")

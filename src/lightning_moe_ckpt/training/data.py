@@ -74,7 +74,17 @@ def build_data(settings: TrainingSettings) -> RunData:
 
 def build_dataloaders(settings: TrainingSettings, shard: int = 0
                       ) -> tuple[DataLoader[dict[str, Any]], DataLoader[dict[str, Any]]]:
-    """``(train, validation)`` loaders of one data shard; train item ``t`` is iteration ``t``."""
+    """``(train, validation)`` loaders of one data shard; train item ``t`` is iteration ``t``.
+
+    Args:
+        settings: The run's settings (data, layout, batch sizes, steps, seed).
+        shard: The data shard to read (``MoEParallelCore.data_shard``: the same on every
+            stage of a pipeline).
+
+    Returns:
+        The train loader (``settings.max_steps`` items) and the validation loader
+        (``settings.val_batches`` items).
+    """
     data = build_data(settings)
     train = IterationDataset(data.train, settings.max_steps, shard=shard)
     val = IterationDataset(data.val, settings.val_batches, shard=shard)

@@ -59,6 +59,15 @@ class TrainingEngine(TrainingTarget):
     ``step`` counts completed optimizer steps; iteration ``step`` reads data batch
     ``step`` and performs optimizer step ``step`` (0-based). Replay reads the batch from
     the deterministic sampler (a pure function of step and shard).
+
+    Args:
+        settings: The run's settings.
+        model: This rank's (possibly partial) model.
+        optimizer: Its master-weight AdamW.
+        scheduler: Its LR scheduler.
+        executor: Where and how the parts of an iteration run (local, distributed).
+        batch: This rank's ``(inputs, targets)`` of a step, for replay; ``None``: none yet
+            (the LightningModule sets it; replay without one raises).
     """
 
     def __init__(self, settings: TrainingSettings, model: MoETransformer,

@@ -30,16 +30,27 @@ _CLIP_EPS = 1e-6
 
 @dataclass(frozen=True)
 class IterationResult:
-    """Per-iteration scalars and routing telemetry, all still on the device (no sync)."""
+    """Per-iteration scalars and routing telemetry, all still on the device (no sync).
 
-    loss: torch.Tensor  # mean LM cross-entropy over micro-batches
-    aux_loss: torch.Tensor  # summed over layers, mean over micro-batches
+    Attributes:
+        loss: Mean language-model cross-entropy over micro-batches.
+        aux_loss: Load-balancing loss, summed over layers, mean over micro-batches.
+        grad_norm: Global gradient norm before clipping.
+        clip_coef: The clipping coefficient applied (one when clipping is off).
+        lr: The learning rate of this optimizer step.
+        expert_load: ``[layers, experts]`` tokens routed this iteration.
+        dropped: Assignments dropped by capacity this iteration.
+        soft_load: ``[layers, experts]`` summed gate probabilities this iteration.
+    """
+
+    loss: torch.Tensor
+    aux_loss: torch.Tensor
     grad_norm: torch.Tensor
     clip_coef: torch.Tensor
     lr: float
-    expert_load: torch.Tensor  # [layers, experts] tokens routed this iteration
-    dropped: torch.Tensor  # assignments dropped by capacity this iteration
-    soft_load: torch.Tensor  # [layers, experts] summed gate probabilities this iteration
+    expert_load: torch.Tensor
+    dropped: torch.Tensor
+    soft_load: torch.Tensor
 
 
 def build_model(cfg: MoEModelConfig, precision: Precision, seed: int) -> MoETransformer:
@@ -88,8 +99,20 @@ def train_iteration(executor: Executor, optimizer: MasterWeightAdamW, scheduler:
                     clip_coef: torch.Tensor | None = None) -> IterationResult:
     """One optimizer step over ``inputs``/``targets`` of shape ``[M, b, S]``.
 
-    ``clip_coef`` replaces the computed clipping coefficient when given (replay uses the
-    logged one).
+    Args:
+        executor: Runs the forward/backward of the micro-batches and syncs gradients.
+        optimizer: The master-weight AdamW.
+        scheduler: The LR scheduler, stepped after the optimizer.
+        inputs: Token ids, ``[M, b, S]`` (``M`` micro-batches of ``b`` sequences).
+        targets: Next-token labels, shaped like ``inputs``.
+        backward: Runs the backward of a micro-batch loss (Lightning wraps it).
+        step: Runs the optimizer step (Lightning wraps it).
+        max_grad_norm: Global gradient-norm clipping; ``None``: no clipping.
+        clip_coef: Replaces the computed clipping coefficient when given (replay uses the
+            logged one); ``None``: computed.
+
+    Returns:
+        The iteration's scalars and routing telemetry, still on the device.
     """
     executor.reset_stats()
     microbatches = inputs.shape[0]

@@ -30,7 +30,14 @@ from lightning_moe_ckpt.training.step_log import ValidationMetrics, evaluate, st
 
 
 class MoELanguageModule(L.LightningModule):
-    """Trains a :class:`~lightning_moe_ckpt.models.MoETransformer` on next-byte prediction."""
+    """Trains a :class:`~lightning_moe_ckpt.models.MoETransformer` on next-byte prediction.
+
+    Args:
+        settings: The run's settings.
+        history: Collects what the end-of-run report needs; ``None``: a new one.
+        data: The run's corpus and samplers; ``None``: built from ``settings`` on first
+            use.
+    """
 
     def __init__(self, settings: TrainingSettings, history: TrainingHistory | None = None,
                  data: RunData | None = None) -> None:

@@ -21,7 +21,18 @@ from lightning_moe_ckpt.models.config import MoEModelConfig
 
 @dataclass(frozen=True)
 class OptimSettings:
-    """AdamW, LR schedule (linear warm-up then cosine) and gradient clipping."""
+    """AdamW, LR schedule (linear warm-up then cosine) and gradient clipping.
+
+    Args:
+        lr: AdamW's peak learning rate.
+        min_lr_ratio: The cosine schedule's final learning rate as a share of the peak.
+        warmup_steps: Linear warm-up steps before the cosine decay.
+        weight_decay: AdamW's weight decay.
+        betas: AdamW's betas.
+        eps: AdamW's epsilon.
+        max_grad_norm: Global gradient-norm clipping (across every stage and expert shard);
+            ``None``: no clipping.
+    """
 
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -34,7 +45,18 @@ class OptimSettings:
 
 @dataclass(frozen=True)
 class DataSettings:
-    """Which corpus, and the sequence length."""
+    """Which corpus, and the sequence length.
+
+    Args:
+        name: The corpus: ``"stdlib"`` (the running Python's standard-library sources, no
+            download) or ``"textfile"`` (any UTF-8 text file).
+        seq_len: Tokens per sequence; at most the model's ``max_seq_len``.
+        path: ``textfile`` only, required: the text file.
+        val_percent: ``stdlib`` only: the share of source files (chosen by a hash of their
+            path) held out for validation.
+        val_fraction: ``textfile`` only: the last fraction of the file's bytes is the
+            validation split.
+    """
 
     name: str = "stdlib"
     seq_len: int = 64
@@ -45,9 +67,28 @@ class DataSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingSettings:
-    """What the built-in model's training needs: the model, its data, the parallel layout
-    (``None``: one process), the optimizer, the precision, the seed and the run's length
-    and batch sizes."""
+    """What the built-in model's training needs: the model, its data, the parallel layout,
+    the optimizer, the precision, the seed and the run's length and batch sizes.
+
+    Every field is keyword-only and has the recipe's default.
+
+    Args:
+        model: The built-in model's shape.
+        data: The corpus and the sequence length.
+        layout: The parallel layout; ``None``: one process.
+        optim: The optimizer, LR schedule and clipping.
+        precision: ``"32"`` (fp32 everything) or ``"bf16-master"`` (bf16 compute weights,
+            fp32 master weights and optimizer state).
+        seed: Seed of the initialisation and the data order.
+        max_steps: Optimizer steps to train (the LR schedule ends there).
+        global_batch: Sequences per optimizer step, over all micro-batches and data
+            shards.
+        val_every: Validate every this many steps (the recipe's loops read it; a Trainer
+            of your own takes ``val_check_interval`` instead).
+        val_batches: Validation batches each time.
+        log_every: Log metrics every this many steps (the recipe's loops read it; a Trainer
+            of your own takes ``log_every_n_steps`` instead).
+    """
 
     model: MoEModelConfig = field(default_factory=MoEModelConfig)
     data: DataSettings = field(default_factory=DataSettings)
