@@ -278,6 +278,6 @@ def test_fused_experts_off_dim_0_warn_naming_both_counts(tiny_cfg: MoEModelConfi
             n_experts, ff, dim = module.get_parameter("w1").shape
             model.get_submodule(name.rpartition(".")[0]).experts = _ExpertsLast(dim, ff,
                                                                                  n_experts)
-    with pytest.warns(UserWarning, match=f"holds {dim} slices on dim 0, but its router "
-                                         f"scores {n_experts} experts"):
+    with pytest.warns(UserWarning, match=f"dim 0 holds {dim}, its router scores {n_experts} "
+                                         "experts"):
         OperatorRegistry(model)

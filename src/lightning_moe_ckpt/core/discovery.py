@@ -9,10 +9,17 @@ The rules need no configuration for the common layouts:
 
   1. **ModuleList experts** (``...experts.<i>.<...>``, HF 4.x Mixtral's
      ``block_sparse_moe.experts.<i>``): operator ``<block>.<path>.experts.<i>``;
-  2. **fused experts**: parameters owned directly by a module named ``experts`` (HF
+  2. **fused experts**: tensors that hold the experts on dim 0, cut into one slice per
+     expert; slice ``e`` joins operator ``<...>.experts.<e>``. A tensor is cut only when
+     its dim 0 agrees with the expert count the MoE module's router declares (the rows of
+     the router's weight): parameters owned directly by a module named ``experts`` (HF
      transformers 5.x ``mlp.experts.gate_up_proj``/``down_proj``, torchtitan-style
-     ``moe.experts.w1/w2/w3``) hold the experts on dim 0: slice ``e`` of every such
-     parameter joins operator ``<block>.<path>.experts.<e>``;
+     ``moe.experts.w1/w2/w3``), and any other tensor of at least two dimensions inside a
+     module with a router whose dim 0 is the expert count (JetMoE's
+     ``mlp.input_linear.weight`` [E, ...]: operator ``<...>.mlp.experts.<e>``) or, under
+     ``experts``, a multiple of it (DBRX's ``ffn.experts.mlp.w1`` [E x I, H]: blocks of I
+     rows per expert). A vector, or a tensor whose dim 0 agrees with no expert count,
+     stays whole (one under ``experts`` with a warning naming it and both counts);
   3. **shared experts** (a path component ``shared_expert``, ``shared_experts`` or
      ``shared_expert_gate``): operator ``<block>.<path>.shared_experts``;
   4. **routers** (a path component ``gate`` or ``router``, with their bias/correction
@@ -37,10 +44,14 @@ is an error naming it.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_moe_ckpt.core.operators import (
     BufferRef,
@@ -127,60 +138,150 @@ def unmatched_patterns(model: nn.Module, override: OperatorOverride | None) -> l
             if not any(fnmatch.fnmatchcase(name, pattern) for name in names)]
 
 
-def _fused_experts(model: nn.Module, container: str | None) -> dict[str, tuple[int, int]]:
-    """Fused expert parameters (owned directly by an ``experts`` module inside a block)
-    with ``(experts held, global id of the first)``: dim 0, equal for every parameter of
-    one experts module; an expert-parallel shard holds a block starting past zero."""
-    fused: dict[str, tuple[int, int]] = {}
-    for path, module in model.named_modules():
-        if path.split(".")[-1] != "experts" or isinstance(module, nn.ModuleList):
-            continue
-        if container is None or not path.startswith(f"{container}."):
-            continue
-        own = list(module.named_parameters(recurse=False))
-        counts = {name: p.shape[0] if p.dim() >= 1 else 0 for name, p in own}
-        if len(set(counts.values())) > 1 or 0 in counts.values():
-            shapes = ", ".join(f"{path}.{n}: {tuple(p.shape)}" for n, p in own)
-            raise ConfigError(f"fused experts module {path!r} holds parameters that do not "
-                              f"share an expert dimension 0 ({shapes}); assign them with "
-                              "SparseCheckpointing(..., operators=...)")
-        first = module.first_expert if isinstance(module, ShardedExperts) else 0
-        count = next(iter(counts.values()), 0)  # 0: no parameters of its own (a container)
-        scored = _router_outputs(model, path) if count else None
-        if scored is not None and scored != count and not isinstance(module, ShardedExperts):
-            warnings.warn(
-                f"fused experts module {path!r} holds {count} slices on dim 0, but its "
-                f"router scores {scored} experts: the rules take dim 0 as the expert "
-                "dimension (as in Hugging Face transformers and torchtitan), so each slice "
-                "becomes an operator and per-expert popularity does not apply. Recovery "
-                "stays exact; put the experts first for one operator per expert",
-                UserWarning, stacklevel=4)
-        fused.update({f"{path}.{name}": (count, first) for name, count in counts.items()})
+@dataclass(frozen=True)
+class _Fused:
+    """A tensor holding experts on dim 0: its operators' prefix (``<...>.experts``), how
+    many experts this rank holds and the global id of the first, and for experts stacked
+    in blocks of rows (DBRX) their count."""
+
+    prefix: str
+    count: int
+    first: int
+    chunks: int | None = None
+
+
+def _fused_experts(model: nn.Module, container: str | None) -> dict[str, _Fused]:
+    """The tensors of the blocks that hold experts on dim 0 (see the module docstring,
+    rule 2), by parameter name. This rank holds the experts of its shard: an
+    expert-parallel shard's block, or the rows of a parameter sharded along dim 0 (FSDP2),
+    each expert's slice whole when the shard boundaries fall between experts."""
+    fused: dict[str, _Fused] = {}
+    kept_whole: list[str] = []
+    if container is None:
+        return fused
+    inside = [(path, module) for path, module in model.named_modules()
+              if path.startswith(f"{container}.")]
+    for path, module in inside:  # modules named experts first: they own their tensors
+        if path.split(".")[-1] == "experts" and not isinstance(module, nn.ModuleList
+                                                                | nn.ModuleDict):
+            _experts_module(model, path, module, fused, kept_whole)
+    for path, module in inside:
+        declared = _router_rows(module)
+        if declared is not None:
+            _moe_module(path, module, declared, fused, kept_whole)
+    if kept_whole:
+        warnings.warn(
+            f"tensor(s) under a fused experts module whose dim 0 is not the expert count "
+            f"its router declares ({'; '.join(kept_whole)}): they are not cut into experts "
+            "but checkpointed whole with the rest of their block (name another operator "
+            "with SparseCheckpointing(..., operators=...))", UserWarning, stacklevel=4)
     return fused
 
 
-def _router_outputs(model: nn.Module, experts_path: str) -> int | None:
-    """How many experts the router beside ``experts_path`` scores: the rows of the first
-    2-D ``weight`` in it (``gate.weight`` in Hugging Face, ``router.gate.weight`` in
-    torchtitan), or None when there is no such router to read."""
-    parent_path = experts_path.rpartition(".")[0]
-    parent = model.get_submodule(parent_path) if parent_path else model
-    for name, child in parent.named_children():
-        if name not in ("gate", "router"):
+def _experts_module(model: nn.Module, path: str, module: nn.Module,
+                    fused: dict[str, _Fused], kept_whole: list[str]) -> None:
+    """Rule 2 for the parameters a module named ``experts`` owns directly."""
+    own = list(module.named_parameters(recurse=False))
+    if not own:
+        return  # a container: its children are the experts
+    shard = module if isinstance(module, ShardedExperts) else None  # an EP shard's block
+    scored = shard.local_experts if shard is not None else _router_outputs(model, path)
+    cut = {}
+    for name, param in own:
+        total = param.shape[0] if param.dim() >= 2 else 0
+        if total == 0 or (scored is not None and total != scored):
+            kept_whole.append(f"{path}.{name} {tuple(param.shape)}: dim 0 holds "
+                              f"{param.shape[0] if param.dim() else 0}, its router scores "
+                              f"{scored} experts")
+        else:
+            cut[name] = param
+    if len({p.shape[0] for p in cut.values()}) > 1:
+        shapes = ", ".join(f"{path}.{n}: {tuple(p.shape)}" for n, p in cut.items())
+        raise ConfigError(f"fused experts module {path!r} holds parameters that do not "
+                          f"share an expert dimension 0 ({shapes}); assign them with "
+                          "SparseCheckpointing(..., operators=...)")
+    base = shard.first_expert if shard is not None else 0
+    for name, param in cut.items():
+        count, offset = _held_rows(param, f"{path}.{name}")
+        fused[f"{path}.{name}"] = _Fused(path, count, base + offset)
+
+
+def _moe_module(path: str, module: nn.Module, declared: int, fused: dict[str, _Fused],
+                kept_whole: list[str]) -> None:
+    """Rule 2 for the tensors of a module with a router declaring ``declared`` experts,
+    outside its router, its shared experts and its lists of expert modules."""
+    for name, param in module.named_parameters():
+        full = f"{path}.{name}"
+        segments = name.split(".")
+        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        if (full in fused or param.dim() < 2 or segments[0] in _ROUTER
+                or isinstance(owner, ShardedExperts)
+                or any(s in _SHARED for s in segments)
+                or any(a == "experts" and b.isdigit() for a, b in itertools.pairwise(segments))):
             continue
-        for param_name, param in child.named_parameters():
-            if param_name.rpartition(".")[2] == "weight" and param.dim() == 2:
-                return int(param.shape[0])
+        inside = segments.index("experts") + 1 if "experts" in segments[:-1] else 0
+        if inside:
+            prefix = ".".join([path, *segments[:inside]])
+        else:  # the router's module is the experts' (JetMoE's attention experts) or holds them
+            prefix = path if path.rpartition(".")[2] == "experts" else f"{path}.experts"
+        rows = param.shape[0]
+        if rows == declared:
+            count, offset = _held_rows(param, full)
+            fused[full] = _Fused(prefix, count, offset)
+        elif inside and rows % declared == 0:
+            if isinstance(param, DTensor):
+                raise ConfigError(f"fused expert parameter {full!r} stacks {declared} experts "
+                                  f"in blocks of {rows // declared} rows and is sharded: its "
+                                  "experts are not whole on a rank; shard the model another "
+                                  "way or name its operators with SparseCheckpointing(..., "
+                                  "operators=...)")
+            fused[full] = _Fused(prefix, declared, 0, chunks=declared)
+        elif inside:
+            kept_whole.append(f"{full} {tuple(param.shape)}: dim 0 holds {rows}, its "
+                              f"router scores {declared} experts")
+
+
+def _router_rows(module: nn.Module) -> int | None:
+    """The expert count a module's router child declares: the rows of its first 2-D
+    weight (``gate.weight``, ``router.gate.weight``, ``router.layer.weight``)."""
+    for name, child in module.named_children():
+        if name in _ROUTER:
+            for param_name, param in child.named_parameters():
+                if param_name.rpartition(".")[2] == "weight" and param.dim() == 2:
+                    return int(param.shape[0])
     return None
 
 
+def _held_rows(param: nn.Parameter, name: str) -> tuple[int, int]:
+    """Rows of dim 0 this rank holds of ``param`` and the global index of the first: all
+    of them, or a sharded parameter's (DTensor's) shard along dim 0."""
+    if not isinstance(param, DTensor):
+        return param.shape[0], 0
+    local_shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements)
+    if local_shape[1:] != tuple(param.shape[1:]):
+        raise ConfigError(f"fused expert parameter {name!r} is sharded along a dimension "
+                          f"other than its experts' ({param.placements}): its experts are "
+                          "not whole on any rank; shard it along dim 0 (fully_shard does)")
+    return local_shape[0], offset[0]
+
+
+def _router_outputs(model: nn.Module, experts_path: str) -> int | None:
+    """How many experts the router beside ``experts_path`` (or inside it) scores, or None
+    when there is no such router to read (see :func:`_router_rows`)."""
+    parent_path = experts_path.rpartition(".")[0]
+    parent = model.get_submodule(parent_path) if parent_path else model
+    declared = _router_rows(parent)
+    return declared if declared is not None else _router_rows(
+        model.get_submodule(experts_path))
+
+
 def _inside_block(block: str, layer: int, rest: str, param: nn.Parameter,
-                  name: str, fused: Mapping[str, tuple[int, int]]) -> list[Assignment]:
+                  name: str, fused: Mapping[str, _Fused]) -> list[Assignment]:
     if name in fused:
-        prefix = ".".join([block, *rest.split(".")[:-1]])
-        count, first = fused[name]
-        return [(f"{prefix}.{first + e}", "expert", layer, first + e, Part(name, param, e))
-                for e in range(count)]
+        held = fused[name]
+        return [(f"{held.prefix}.{held.first + e}", "expert", layer, held.first + e,
+                 Part(name, param, e, held.chunks)) for e in range(held.count)]
     operator, kind, expert = _block_operator(block, rest)
     return [(operator, kind, layer, expert, Part(name, param))]
 

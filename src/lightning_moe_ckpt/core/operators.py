@@ -27,6 +27,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 OperatorKind = Literal["embed", "attn", "gate", "expert", "shared_experts", "head", "other"]
 
@@ -55,13 +56,22 @@ def is_expert_parameter(param_name: str) -> bool:
     return _EXPERT_PARAMETER.search(param_name) is not None
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: a sharded parameter's (a DTensor's) local
+    shard, a view that shares its storage; any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 @dataclass(frozen=True)
 class Part:
-    """A whole parameter (``index is None``) or its slice ``index`` along dim 0."""
+    """A whole parameter (``index is None``) or its slice ``index`` along dim 0: the
+    ``index``-th row, or with ``chunks`` the ``index``-th of that many equal blocks of
+    rows (experts stacked in blocks along dim 0)."""
 
     param_name: str
     param: nn.Parameter
     index: int | None = None
+    chunks: int | None = None
 
     @property
     def key(self) -> str:
@@ -69,17 +79,23 @@ class Part:
         return self.param_name if self.index is None else f"{self.param_name}[{self.index}]"
 
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The part's part of ``tensor`` (a tensor shaped like the parameter)."""
-        return tensor if self.index is None else tensor[self.index]
+        """The part's part of ``tensor`` (a tensor shaped like the parameter): of its
+        local shard when it is sharded, so ``index`` counts the shard's own slices."""
+        local = local_tensor(tensor)
+        if self.index is None:
+            return local
+        if self.chunks is not None:
+            return local.unflatten(0, (self.chunks, -1))[self.index]
+        return local[self.index]
 
     @property
     def numel(self) -> int:
-        """Number of elements of the part."""
-        return self.view(self.param).numel()
+        """Number of elements of the part on this rank."""
+        return self.view(self.param.detach()).numel()
 
     @property
     def compute_bytes(self) -> int:
-        """Bytes of the part's compute weights (the parameter's dtype)."""
+        """Bytes of the part's compute weights on this rank (the parameter's dtype)."""
         return self.numel * self.param.element_size()
 
 

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from lightning_moe_ckpt.core.operators import BufferRef, Part
+from lightning_moe_ckpt.core.operators import BufferRef, Part, local_tensor
 from lightning_moe_ckpt.core.precision import MasterWeightOptimizer
 from lightning_moe_ckpt.errors import ConfigError
 
@@ -50,7 +51,7 @@ class StateFingerprint:
         self.optimizer = access.optimizer
         self.state = access.optimizer.state
         self.entries = len(self.state)
-        bases: dict[int, torch.Tensor] = {}
+        bases: dict[int, torch.Tensor] = {}  # parameters and masters (the state's keys)
         for part in parts:
             for tensor in (part.param, access.master(part.param)):
                 bases[id(tensor)] = tensor
@@ -63,7 +64,9 @@ class StateFingerprint:
         for tensor in self.buffer_tensors:
             bases[id(tensor)] = tensor
         self.bases = list(bases.values())
-        self.pointers = list(map(torch.Tensor.data_ptr, self.bases))
+        # Storage is read through the local shard of a sharded (DTensor) parameter.
+        self.locals = [local_tensor(t) for t in self.bases]
+        self.pointers = list(map(torch.Tensor.data_ptr, self.locals))
         self.keys = [t for t in self.bases if t in self.state]
         self.dicts: list[dict[str, Any]] = [self.state[key] for key in self.keys]
         # Every state dict in the optimizer's order: compared by identity without hashing a
@@ -75,11 +78,17 @@ class StateFingerprint:
         self.fields = [f for d in self.dicts for f in d]
         self.values = [v for d in self.dicts for v in d.values()]
 
+    def _live_locals(self) -> list[torch.Tensor]:
+        """The bases' local tensors now (a DTensor's may be swapped for a new shard)."""
+        if all(map(operator.is_, self.bases, self.locals)):
+            return self.locals  # plain tensors: their own storage, read in C
+        return [local_tensor(t) for t in self.bases]
+
     def matches(self) -> bool:
         """Whether every recorded tensor is still the live one."""
         state = self.state
         return (self.optimizer.state is state and len(state) == self.entries
-                and list(map(torch.Tensor.data_ptr, self.bases)) == self.pointers
+                and list(map(torch.Tensor.data_ptr, self._live_locals())) == self.pointers
                 and all(map(operator.is_, map(dict.get, self.buffer_dicts, self.buffer_attrs),
                             self.buffer_tensors))
                 and all(map(operator.is_, state.values(), self.all_dicts))
@@ -113,18 +122,20 @@ class OptimizerStateAccess:
 
     def step_tensors(self, param: nn.Parameter) -> list[torch.Tensor]:
         """Every tensor an optimizer step may write for ``param`` (frozen slices are
-        saved from these): the parameter, its master copy and its state tensors."""
+        saved from these): the parameter, its master copy and its state tensors, each as
+        this rank holds it (a sharded one's local shard)."""
         master = self.master(param)
         tensors = [param.data] if master is param else [param.data, master.data]
         state = self.optimizer.state.get(master, {})
-        return tensors + [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return [local_tensor(t) for t in
+                tensors + [v for v in state.values() if isinstance(v, torch.Tensor)]]
 
     def compute_sources(self, part: Part) -> dict[str, torch.Tensor]:
         """Live compute weights of ``part``."""
         return {part.key: part.view(part.param.detach())}
 
     def master_sources(self, part: Part) -> dict[str, torch.Tensor]:
-        """Live master weight and optimizer state of ``part``."""
+        """Live master weight and optimizer state of ``part`` (this rank's shards)."""
         master = self.master(part.param)
         sources = {f"{part.key}/master": part.view(master.detach())}
         for field, value in self.optimizer.state.get(master, {}).items():
@@ -135,9 +146,9 @@ class OptimizerStateAccess:
             if part.index is not None and value.shape == master.shape:
                 sources[f"{part.key}/{field}"] = part.view(value)
             elif part.index is not None:
-                sources[f"{part.key}/{field}{_SHARED}"] = value
+                sources[f"{part.key}/{field}{_SHARED}"] = local_tensor(value)
             else:
-                sources[f"{part.key}/{field}"] = value
+                sources[f"{part.key}/{field}"] = local_tensor(value)
         return sources
 
     def master_state_bytes(self, part: Part) -> int:
@@ -169,13 +180,19 @@ class OptimizerStateAccess:
                 name = field.removesuffix(_SHARED)
                 state[name] = self._placed(master, name, value, state.get(name))
                 continue
-            if field not in state:
-                state[field] = torch.zeros(master.shape, dtype=value.dtype, device=master.device)
+            if field not in state:  # shaped like the master, sharded like it too
+                state[field] = torch.zeros_like(master, dtype=value.dtype)
             part.view(state[field]).copy_(value)
 
     def _placed(self, master: torch.Tensor, name: str, value: torch.Tensor,
                 live: torch.Tensor | None) -> torch.Tensor:
-        """``value`` as a new state tensor where the optimizer would have put it."""
+        """``value`` as a new state tensor where the optimizer would have put it (a
+        sharded state tensor keeps its sharding: ``value`` is written into its shard)."""
+        if isinstance(live, DTensor) or (live is None and isinstance(master, DTensor)
+                                         and local_tensor(master).shape == value.shape):
+            target = live if live is not None else torch.zeros_like(master, dtype=value.dtype)
+            local_tensor(target).copy_(value)
+            return target
         if live is not None and live.shape == value.shape and live.dtype == value.dtype:
             return value.to(live.device, copy=True)
         if value.shape == master.shape:

@@ -14,9 +14,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_moe_ckpt.core.discovery import discover_operators, unmatched_patterns
-from lightning_moe_ckpt.core.operators import Operator, OperatorBytes, OperatorOverride, Part
+from lightning_moe_ckpt.core.operators import (
+    Operator,
+    OperatorBytes,
+    OperatorOverride,
+    Part,
+    local_tensor,
+)
 
 
 class FrozenSlices:
@@ -34,7 +41,10 @@ class FrozenSlices:
     """
 
     def __init__(self) -> None:
+        # Per parameter: its frozen slice indices (None: the whole parameter) and, for
+        # experts stacked in blocks of rows, the number of blocks.
         self.frozen: dict[int, tuple[nn.Parameter, set[int | None]]] = {}
+        self.chunks: dict[int, int] = {}
         self._held: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         self._stateless: list[Callable[[], None]] = []
 
@@ -45,6 +55,8 @@ class FrozenSlices:
         """Freeze (or activate) one part."""
         param, indices = self.frozen.setdefault(id(part.param), (part.param, set()))
         (indices.add if frozen else indices.discard)(part.index)
+        if part.chunks is not None:
+            self.chunks[id(param)] = part.chunks
         if not indices:
             del self.frozen[id(param)]
 
@@ -54,9 +66,10 @@ class FrozenSlices:
         return entry is not None and part.index in entry[1]
 
     def all_frozen(self, param: nn.Parameter) -> bool:
-        """Whether every slice of a fused ``param`` is frozen."""
+        """Whether every slice this rank holds of a fused ``param`` is frozen."""
         entry = self.frozen.get(id(param))
-        return entry is not None and len(entry[1]) == param.shape[0]
+        slices = self.chunks.get(id(param), local_tensor(param).shape[0])
+        return entry is not None and len(entry[1]) == slices
 
     @torch.no_grad()
     def hold(self, tensors_of: Callable[[nn.Parameter], list[torch.Tensor]],
@@ -73,11 +86,14 @@ class FrozenSlices:
                 if state_of(param) is None:
                     self._stateless.append(partial(_drop_state, state_of, param))
                 continue
+            held = local_tensor(param)  # this rank's shard of a sharded parameter
             index = torch.tensor(sorted(i for i in indices if i is not None),
-                                 device=param.device)
-            for tensor in tensors_of(param):
-                if tensor.shape[:1] == param.shape[:1] and tensor.dim() == param.dim():
-                    self._held.append((tensor, index, tensor.index_select(0, index)))
+                                 device=held.device)
+            chunks = self.chunks.get(id(param))
+            for tensor in tensors_of(param):  # local tensors
+                if tensor.shape[:1] == held.shape[:1] and tensor.dim() == held.dim():
+                    rows = tensor if chunks is None else tensor.unflatten(0, (chunks, -1))
+                    self._held.append((rows, index, rows.index_select(0, index)))
 
     @torch.no_grad()
     def release(self) -> None:
@@ -115,6 +131,10 @@ class OperatorRegistry:
                  freeze_by_restore: bool = False) -> None:
         self.operators: dict[str, Operator] = {
             op.name: op for op in discover_operators(model, override)}
+        # A sharded parameter's requires_grad cannot change under FSDP2 (its unsharded
+        # parameter keeps the value it was set up with): freeze by restore there too.
+        freeze_by_restore = freeze_by_restore or any(
+            isinstance(p, DTensor) for p in model.parameters())
         # Patterns of a mapping override that claim nothing here: an error on a whole model,
         # legitimate on a pipeline stage (the checkpointing callback decides).
         self.unmatched_patterns = unmatched_patterns(model, override)
