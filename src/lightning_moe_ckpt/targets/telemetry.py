@@ -70,15 +70,18 @@ class RouterTelemetry:
                  parser: RouterParser | None = None,
                  shape: tuple[int, int] | None = None) -> None:
         experts = [p for p in map(expert_position, registry.names) if p is not None]
-        # ``shape``: the full model's (layers, experts) when ``model`` holds only part of
-        # it; its routers still select among every expert.
-        self.n_layers, self.n_experts = shape if shape is not None else (
-            1 + max((layer for layer, _ in experts), default=-1),
-            1 + max((e for _, e in experts), default=-1))
-        self.top_k = top_k
-        self.parser = parser
         self.routers = {op.name: op.layer for op in registry if op.kind == "gate"}
         modules = dict(model.named_modules())
+        # ``shape``: the full model's (layers, experts) when ``model`` holds only part of
+        # it; its routers still select among every expert (as many as their weights have
+        # rows: a rank of a sharded model holds some experts but routes to all).
+        self.n_layers, self.n_experts = shape if shape is not None else (
+            1 + max((layer for layer, _ in experts), default=-1),
+            max([1 + max((e for _, e in experts), default=-1),
+                 *(_declared_experts(modules[name]) for name in self.routers
+                   if name in modules)]))
+        self.top_k = top_k
+        self.parser = parser
         self._handles = [modules[name].register_forward_hook(self._hook(layer))
                          for name, layer in self.routers.items()
                          if name in modules and layer is not None]
@@ -125,6 +128,14 @@ class RouterTelemetry:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _declared_experts(router: nn.Module) -> int:
+    """The experts a router scores: the rows of its first 2-D weight (0: none)."""
+    for name, param in router.named_parameters():
+        if name.rpartition(".")[2] == "weight" and param.dim() == 2:
+            return int(param.shape[0])  # a sharded weight's global shape
+    return 0
 
 
 def configured_top_k(model: nn.Module, top_k: int | None) -> int | None:

@@ -1,0 +1,93 @@
+"""Two-process run of the Qwen3-MoE LightningModule with its parameters sharded by FSDP2.
+
+``configure_model`` calls ``fully_shard`` on every decoder layer and on the root, under
+Lightning's own ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``;
+``SparseCheckpointing`` is the only thing of this library the script adds. Run as a script:
+``python tests/sharded/fsdp_workload.py OUT_DIR [FAIL_AT] [--ddp]`` on both ranks, as
+``torchrun`` starts them (``--ddp``: the same model replicated, for the unsharded figures).
+Each rank writes its local shards, optimizer state, losses and the snapshot bytes to
+``OUT_DIR/rank<r>.pt``.
+"""
+
+# ruff: noqa: E402  (imports follow gc.disable(), below)
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+from typing import Any
+
+gc.disable()
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.testing import AtSchedule, FailureInjector
+from tests.anymodel.harness import STEPS, WINDOW, StepLosses
+from tests.anymodel.models import LMModule, qwen3_moe, random_token_loader
+
+gc.freeze()
+gc.enable()
+
+FAILED_RANK = 1
+
+
+class ShardedLM(LMModule):
+    """The user's module: FSDP2 on every decoder layer and on the root."""
+
+    def configure_model(self) -> None:
+        if isinstance(next(self.model.parameters()), DTensor):
+            return  # configure_model may run again (a resumed fit)
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def _local(tensor: Any) -> Any:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def main(out: Path, fail_at: int | None, ddp: bool) -> None:
+    torch.set_num_threads(1)
+    module = (LMModule if ddp else ShardedLM)(qwen3_moe(seed=0))
+    checkpointing = SparseCheckpointing("moevement", replicas=1, window=WINDOW)
+    spy = StepLosses()
+    callbacks: list[L.Callback] = [checkpointing, spy]
+    injector = None
+    if fail_at is not None:
+        injector = FailureInjector(AtSchedule([{"step": fail_at, "rank": FAILED_RANK}], 2),
+                                   checkpointing)
+        callbacks.append(injector)
+    strategy: Any = "ddp" if ddp else ModelParallelStrategy(data_parallel_size=2,
+                                                           tensor_parallel_size=1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module, random_token_loader(n_batches=2 * (STEPS + 2)))
+    optimizer = trainer.optimizers[0]
+    names = {id(p): n for n, p in module.named_parameters()}
+    assert checkpointing.coordinator is not None
+    metrics = checkpointing.coordinator.metrics(1.0)
+    torch.save({
+        "params": {n: _local(p.detach()).clone() for n, p in module.named_parameters()},
+        "sharded": [n for n, p in module.named_parameters() if isinstance(p, DTensor)],
+        "optimizer": {names[id(p)]: {k: _local(v).clone() for k, v in state.items()
+                                     if isinstance(v, torch.Tensor)}
+                      for p, state in optimizer.state.items() if state},
+        "losses": spy.losses, "frozen_during_replay": spy.frozen_during_replay,
+        "fired": 0 if injector is None else injector.counter.total,
+        "recoveries": [] if injector is None else injector.recoveries,
+        "snapshot_bytes_per_iter": metrics["snapshot_bytes_per_iter"],
+        "operators": checkpointing.operator_names(),
+    }, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    arguments = [a for a in sys.argv[1:] if a != "--ddp"]
+    main(Path(arguments[0]), int(arguments[1]) if len(arguments) > 1 else None,
+         "--ddp" in sys.argv)
+    gc.freeze()  # the report is written: exit without traversing what training built
