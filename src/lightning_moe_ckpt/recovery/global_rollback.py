@@ -45,10 +45,10 @@ def agree_on_window(coordinator: CheckpointSide, failed: tuple[int, ...],
     failed ranks lost, agree on the newest window persisted on every surviving rank and
     fetch it from replicas where a rank that ``wants_window`` no longer holds it.
 
-    When some rank's copy of that window is missing or corrupt on every replica peer, the
-    ranks try the newer windows up to the newest some surviving rank persisted, then
-    fall back to older windows (the replica peers keep two windows per source; the
-    upstream logs are kept since the older one's start). When no window is usable, raises
+    When some rank's copy of that window is missing or corrupt on every replica peer (or
+    no rank has a persisted window yet), the ranks try the newer windows up to the newest
+    some surviving rank persisted, then fall back to older windows (the replica peers keep
+    two windows per source; the upstream logs are kept since the older one's start). When no window is usable, raises
     :class:`CorruptCheckpointError` naming every window tried and what was missing.
     Returns the window's start and, when ``wants_window``, this rank's snapshots of it.
     """
@@ -59,14 +59,15 @@ def agree_on_window(coordinator: CheckpointSide, failed: tuple[int, ...],
     starts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(starts, coordinator.persisted_start)
     live = sorted({s for s in starts if s is not None})
-    if not live:
-        raise CorruptCheckpointError("no surviving rank holds a persisted checkpoint")
     tried: list[str] = []
     for candidate in _candidate_windows(coordinator, live):
         try:
             return candidate, _window_views(coordinator, failed, wants_window, candidate)
         except CorruptCheckpointError as error:  # every rank raises alike (same bytes)
             tried.append(f"window starting at {candidate}: {error}")
+    if not live:
+        raise CorruptCheckpointError("no surviving rank holds a persisted checkpoint"
+                                     + "".join(f" | {t}" for t in tried))
     raise CorruptCheckpointError("no usable checkpoint window: " + " | ".join(tried))
 
 
@@ -78,10 +79,15 @@ def _candidate_windows(coordinator: CheckpointSide, persisted: list[int]) -> lis
     surviving rank persisted, oldest first: each rank persists at its own replica peers'
     pace, so a lagging rank's persisted window may be one whose copies of a faster rank
     its holders already dropped, while every rank still holds a newer window complete.
-    Then the older windows anyone still holds, newest first."""
+    Then the older windows anyone still holds, newest first. With no window persisted
+    anywhere yet (a failure before the first window's replication was confirmed, the
+    initial state's included), the windows held unconfirmed, newest first: the survivors'
+    own are intact, and a failed rank's is used only if a holder has all of it intact."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(coordinator.held_window_starts()))
     anywhere = {start for starts in everyone for start in starts}
+    if not persisted:
+        return sorted(anywhere, reverse=True)
     lowest, highest = persisted[0], persisted[-1]
     newer = sorted({*persisted, *(s for s in anywhere if lowest < s < highest)})
     return newer + sorted((s for s in anywhere if s < lowest), reverse=True)
