@@ -19,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_moe_ckpt.core.wire import WireFormatError, dumps, loads
 from lightning_moe_ckpt.snapshots.checksum import tensor_checksum
 from lightning_moe_ckpt.snapshots.codec import (
     MAGIC,
@@ -31,7 +32,6 @@ from lightning_moe_ckpt.snapshots.codec import (
     split_pieces,
 )
 from lightning_moe_ckpt.snapshots.snapshot import Snapshot, SnapshotPiece
-from lightning_moe_ckpt.snapshots.wire import WireFormatError, dumps, loads
 
 UNPICKLED: list[str] = []
 

@@ -48,8 +48,9 @@ def agree_on_window(coordinator: CheckpointSide, failed: tuple[int, ...],
     When some rank's copy of that window is missing or corrupt on every replica peer (or
     no rank has a persisted window yet), the ranks try the newer windows up to the newest
     some surviving rank persisted, then fall back to older windows (the replica peers keep
-    two windows per source; the upstream logs are kept since the older one's start). When no window is usable, raises
-    :class:`CorruptCheckpointError` naming every window tried and what was missing.
+    two windows per source; the upstream logs are kept since the older one's start). When
+    no window is usable, raises :class:`CorruptCheckpointError` naming every window tried
+    and what was missing.
     Returns the window's start and, when ``wants_window``, this rank's snapshots of it.
     """
     rank = dist.get_rank()

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe_ckpt.core.target import TrainingTarget
+from lightning_moe_ckpt.core.wire import WireFormatError, dumps, loads
 from lightning_moe_ckpt.planning.schedule import expert_position
 from lightning_moe_ckpt.recovery.side import CheckpointSide
 from lightning_moe_ckpt.recovery.sparse_to_dense import (
@@ -59,7 +60,6 @@ from lightning_moe_ckpt.snapshots.codec import (
     split_pieces,
 )
 from lightning_moe_ckpt.snapshots.snapshot import SnapshotPiece
-from lightning_moe_ckpt.snapshots.wire import WireFormatError, dumps, loads
 
 Save = tuple[int, dict[str, Any]]  # (iteration, {"kind", "tensors"}) of one operator
 Restore = tuple[dict[str, Save], dict[str, Any]]  # saves by operator, SS_e's metadata

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from lightning_moe_ckpt.core.wire import dumps, loads
 from lightning_moe_ckpt.errors import CorruptCheckpointError, SnapshotFormatError, WireFormatError
 from lightning_moe_ckpt.snapshots.checksum import (
     bytes_checksum,
@@ -48,7 +49,6 @@ from lightning_moe_ckpt.snapshots.piece_blob import (
     read_piece,
 )
 from lightning_moe_ckpt.snapshots.snapshot import Snapshot
-from lightning_moe_ckpt.snapshots.wire import dumps, loads
 
 MAGIC = b"MOESNAP4"  # the format's version: any other is refused, never read
 _LENGTH = struct.Struct("<Q")

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 
 import torch
 
+from lightning_moe_ckpt.core.wire import DTYPES, WireFormatError, dumps, loads
 from lightning_moe_ckpt.snapshots.checksum import bytes_checksum, reseed_checksum
-from lightning_moe_ckpt.snapshots.wire import DTYPES, WireFormatError, dumps, loads
 
 __all__ = ["PIECE_ALIGNMENT", "aligned_layout_head", "frame_checksum", "layout_head",
            "pooled_layout_head", "read_piece"]
