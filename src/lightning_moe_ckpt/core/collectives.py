@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from lightning_moe_ckpt.core.wire import dumps, loads
 
-__all__ = ["all_gather_values", "broadcast_value"]
+__all__ = ["all_gather_values", "broadcast_value", "gather_values"]
 
 
 def _device(group: dist.ProcessGroup | None) -> torch.device:
@@ -63,3 +63,24 @@ def broadcast_value(value: Any, src: int, group: dist.ProcessGroup | None = None
         data = torch.empty(int(length), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=src, group=group)
     return _decoded(data, int(length))
+
+
+def gather_values(value: Any, dst: int = 0,
+                  group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Every rank's ``value`` on rank ``dst`` (a global rank), in rank order; ``None`` on
+    the other ranks (collective)."""
+    device = _device(group)
+    data = _encoded(value, device)
+    world = dist.get_world_size(group)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)  # every rank pads to the longest
+    sizes = [int(n) for n in torch.cat(lengths).tolist()]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    receiving = dist.get_rank() == dst
+    gathered = [torch.empty_like(padded) for _ in range(world)] if receiving else None
+    dist.gather(padded, gathered, dst=dst, group=group)
+    if gathered is None:
+        return None
+    return [_decoded(block, size) for block, size in zip(gathered, sizes, strict=True)]

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
+from lightning_moe_ckpt.core.collectives import all_gather_values
 from lightning_moe_ckpt.core.target import StepHooks, TrainingTarget
 from lightning_moe_ckpt.failures.rendezvous import JobStore
 from lightning_moe_ckpt.recovery.api import (
@@ -143,17 +144,15 @@ class PeerFailureHandler(StepHooks):
                     attempt.formed = False
                     attempt.rounds += 1
             report = outcome.report
-            profiles: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(profiles, self.coordinator.profile)
+            profiles: list[Any] = all_gather_values(self.coordinator.profile)
             known = next((p for p in profiles if p is not None), None)
             if known is None:  # a failure while warming up: a replacement starts afresh,
                 self.coordinator.restart_profiling()  # so everyone does, together
             elif self.coordinator.profile is None:
                 self.coordinator.adopt_profile(known)  # a replacement plans like the others
             # Forward/backward passes each paused rank ran during the recovery (must be 0).
-            paused: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(paused, None if report is not None
-                                   else self.coordinator.paused_forward_backward)
+            paused: list[Any] = all_gather_values(
+                None if report is not None else self.coordinator.paused_forward_backward)
             self.recoveries.append({
                 "generation": self.job.generation, "failed_step": attempt.step,
                 "failed_ranks": sorted(attempt.failed), "ahead_ranks": sorted(attempt.ahead),
@@ -180,9 +179,8 @@ class PeerFailureHandler(StepHooks):
         reformed = time.perf_counter()
         # Everyone says which iteration it recovers (None: a replacement, empty) and which
         # ranks it already knows failed or ahead, so a retry keeps them all in scope.
-        views: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(views, (attempt.step, sorted(attempt.failed),
-                                       sorted(attempt.ahead)))
+        views: list[Any] = all_gather_values((attempt.step, sorted(attempt.failed),
+                                              sorted(attempt.ahead)))
         failed_step, failed, ahead = agree_on_failure(
             views, self.job.failed_ranks(self.job.generation))
         attempt.step, attempt.failed, attempt.ahead = failed_step, failed, ahead

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_moe_ckpt.core.collectives import all_gather_values
 from lightning_moe_ckpt.planning.planner import BasePlanner
 from lightning_moe_ckpt.recovery.global_rollback import global_rollback
 from lightning_moe_ckpt.recovery.partial_restore import partial_restore
@@ -64,7 +65,7 @@ def disk_rollback(side: CheckpointSide, failed_step: int,
     to disk; survivors use their host copy, failed ranks read their own file (collective)."""
     started = time.perf_counter()
     failed = tuple(sorted(set(failed_ranks)))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     disk = side.disk
     assert disk is not None  # recover_baseline routes only disk-persisting runs here
     side.drain()  # what was taken before the failure is on disk
@@ -73,8 +74,7 @@ def disk_rollback(side: CheckpointSide, failed_step: int,
         steps = disk.persisted_steps()
     else:
         steps = side.persisted_window_starts()
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, steps)
+    everyone: list[Any] = all_gather_values(steps)
     common = set(everyone[0]).intersection(*everyone[1:])
     if not common:
         raise CorruptCheckpointError(
@@ -93,8 +93,7 @@ def disk_rollback(side: CheckpointSide, failed_step: int,
             views = [snapshot_view(s) for s in side.own_window(step) or ()]
         except CorruptCheckpointError as exc:  # reported by every rank alike, below
             error = f"rank {rank}: {exc}"
-    errors: list[Any] = [None] * world
-    dist.all_gather_object(errors, error)
+    errors: list[Any] = all_gather_values(error)
     if any(errors):
         raise CorruptCheckpointError("; ".join(e for e in errors if e))
     fetched_at = time.perf_counter()

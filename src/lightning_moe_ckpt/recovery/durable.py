@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from lightning_moe_ckpt.core.collectives import all_gather_values
 from lightning_moe_ckpt.core.rng import restore_rng
 from lightning_moe_ckpt.core.target import TrainingTarget
 from lightning_moe_ckpt.errors import NoUsableCheckpointError
@@ -48,8 +49,7 @@ def agree_on_durable(saved: Sequence[str], failed_step: int) -> str | None:
     mine = {durable_step(p): p for p in saved if durable_step(p) <= failed_step}
     steps = set(mine)
     if dist.is_available() and dist.is_initialized():
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, sorted(steps))
+        everyone: list[Any] = all_gather_values(sorted(steps))
         for theirs in everyone:
             steps &= set(theirs)
     return mine[max(steps)] if steps else None

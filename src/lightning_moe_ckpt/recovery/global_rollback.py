@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_moe_ckpt.core.collectives import all_gather_values
 from lightning_moe_ckpt.recovery.side import CheckpointSide
 from lightning_moe_ckpt.recovery.sparse_to_dense import (
     Cascade,
@@ -57,8 +58,7 @@ def agree_on_window(coordinator: CheckpointSide, failed: tuple[int, ...],
     coordinator.drain()
     if rank in failed:  # a dead worker's host memory is gone: snapshots and held replicas
         coordinator.lose_host_state()
-    starts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(starts, coordinator.persisted_start)
+    starts: list[Any] = all_gather_values(coordinator.persisted_start)
     live = sorted({s for s in starts if s is not None})
     tried: list[str] = []
     for candidate in _candidate_windows(coordinator, live):
@@ -84,8 +84,7 @@ def _candidate_windows(coordinator: CheckpointSide, persisted: list[int]) -> lis
     anywhere yet (a failure before the first window's replication was confirmed, the
     initial state's included), the windows held unconfirmed, newest first: the survivors'
     own are intact, and a failed rank's is used only if a holder has all of it intact."""
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(coordinator.held_window_starts()))
+    everyone: list[Any] = all_gather_values(sorted(coordinator.held_window_starts()))
     anywhere = {start for starts in everyone for start in starts}
     if not persisted:
         return sorted(anywhere, reverse=True)
@@ -108,8 +107,7 @@ def _window_views(coordinator: CheckpointSide, failed: tuple[int, ...], wants_wi
             local = [snapshot_view(s) for s in own]
         except CorruptCheckpointError:
             local = None  # a replica peer's intact copy replaces this rank's own
-    needs: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(needs, wants_window and local is None)
+    needs: list[Any] = all_gather_values(wants_window and local is None)
     views: list[SnapshotView] | None = local
     for source, needed in enumerate(needs):
         if needed:

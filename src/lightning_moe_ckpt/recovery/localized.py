@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_moe_ckpt.core.collectives import all_gather_values
 from lightning_moe_ckpt.core.layout import Coordinates, ParallelPlan
 from lightning_moe_ckpt.recovery.global_rollback import agree_on_window
 from lightning_moe_ckpt.recovery.scope import RecoveryScope, recovery_scopes
@@ -59,7 +60,8 @@ def _neighbour_logs(log: UpstreamLog, plan: ParallelPlan, coords: Coordinates,
                 handed["gradient"][t] = log.gradients(t, stage=p)
             scalars = log.scalars(t)
             if scalars is not None:
-                handed["clip"][t] = torch.as_tensor(scalars.clip_coef).detach().clone()
+                handed["clip"][t] = torch.as_tensor(scalars.clip_coef).detach().to(
+                    "cpu", copy=True)
     return handed
 
 
@@ -123,7 +125,6 @@ def _recover_scopes(coordinator: CheckpointSide, log: UpstreamLog, plan: Paralle
     window and replay from the neighbours' logs; the rest only take part in the
     collectives. A replay cut short by ``stop_after`` returns its partial report."""
     started = time.perf_counter()
-    world = dist.get_world_size()
     in_scope = coords.pp in scope_pp
     target = coordinator.target
     executor = target.pipeline
@@ -132,8 +133,8 @@ def _recover_scopes(coordinator: CheckpointSide, log: UpstreamLog, plan: Paralle
                         f"{type(target).__name__} runs none and recovers by global rollback")
     common, views = agree_on_window(coordinator, failed, in_scope)
     iterations = range(common + 1, failed_step)
-    handed: list[Any] = [None] * world
-    dist.all_gather_object(handed, _neighbour_logs(log, plan, coords, scope_pp, iterations))
+    handed: list[Any] = all_gather_values(_neighbour_logs(log, plan, coords, scope_pp,
+                                                          iterations))
     fetched_at = time.perf_counter()
     report = None
     if in_scope:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_moe_ckpt.core.collectives import all_gather_values
 from lightning_moe_ckpt.core.target import TrainingTarget
 from lightning_moe_ckpt.core.wire import WireFormatError, dumps, loads
 from lightning_moe_ckpt.planning.schedule import expert_position
@@ -76,9 +77,7 @@ def _gather(value: Any) -> list[Any]:
     _, world = _world()
     if world == 1:
         return [value]
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, value)
-    return everyone
+    return all_gather_values(value)
 
 
 def _raise_if_any(error: str | None) -> None:

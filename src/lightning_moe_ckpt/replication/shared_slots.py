@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from lightning_moe_ckpt.core.collectives import all_gather_values
+
 if TYPE_CHECKING:
     from lightning_moe_ckpt.snapshots.capture import CopyList
     from lightning_moe_ckpt.snapshots.snapshot import PieceBuffers
@@ -367,9 +369,8 @@ def mappable_sources(group: dist.ProcessGroup, sources: list[int], candidates: s
     probe = SharedSlot(0, capacity, _process_token())
     token = secrets.token_bytes(_PROBE_BYTES)
     probe.data[capacity - _PROBE_BYTES:] = token  # behind the page, which starts zeroed
-    world = dist.get_world_size(group)
-    offers: list[tuple[int, int, int, bytes] | None] = [None] * world
-    dist.all_gather_object(offers, (os.getpid(), probe.fd, capacity, token), group=group)
+    offers: list[tuple[int, int, int, bytes] | None] = all_gather_values(
+        (os.getpid(), probe.fd, capacity, token), group=group)
     pages = {}
     for source in sources:
         offer = offers[source]
@@ -384,8 +385,7 @@ def mappable_sources(group: dist.ProcessGroup, sources: list[int], candidates: s
             pages[source] = memory
         else:
             memory.close()
-    verdicts: list[set[int] | None] = [None] * world
-    dist.all_gather_object(verdicts, set(pages), group=group)
+    verdicts: list[list[int]] = all_gather_values(sorted(pages), group=group)
     me = dist.get_rank(group)
     mapping = {peer for peer, theirs in enumerate(verdicts) if theirs and me in theirs}
     pids = {rank: offer[0] for rank, offer in enumerate(offers)

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning as L
-import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
+from lightning_moe_ckpt.core.collectives import all_gather_values
 from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
 from lightning_moe_ckpt.errors import ConfigError, InjectedFailure
 from lightning_moe_ckpt.failures.supervisor import is_replacement
@@ -252,8 +252,7 @@ class FailureInjector(L.Callback, StepHooks):
         if self.world_size == 1:
             assert mine is not None
             return mine
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine)
+        everyone: list[Any] = all_gather_values(mine)
         return next(s for s in everyone if s is not None)
 
     def metrics(self) -> dict[str, Any]:

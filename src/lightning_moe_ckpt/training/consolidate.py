@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_moe_ckpt.core.collectives import gather_values
 from lightning_moe_ckpt.core.layout import Coordinates
 from lightning_moe_ckpt.core.operators import is_expert_parameter
 from lightning_moe_ckpt.core.optimizer_state import OptimizerStateAccess
@@ -63,9 +64,8 @@ def gather_target_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
         for key, value in state["optimizer"].get(name, {}).items():
             if value.dim() > 0:  # moments, not the step count
                 state["optimizer"][name][key] = _concatenated(value, ep_group)
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, state)
-    if dist.get_rank() != 0:
+    parts = gather_values(state, dst=0)
+    if parts is None:
         return None
     merged: dict[str, Any] = {"step": step, "model": {}, "compute": {}, "optimizer": {}}
     for part in parts:
@@ -91,9 +91,8 @@ def gather_consolidated_state(engine: TrainingEngine, coords: Coordinates,
 
     mine = {section: {n: v for n, v in local[section].items() if owned(n)}
             for section in ("model", "compute", "optimizer")}
-    gathered: list[dict[str, Any] | None] = [None] * dist.get_world_size()
-    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
-    if dist.get_rank() != 0:
+    gathered = gather_values(mine, dst=0)
+    if gathered is None:
         return None
     merged: dict[str, Any] = {"step": step, "model": {}, "compute": {}, "optimizer": {}}
     for part in gathered:
