@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.failures.rendezvous import JobStore
-from lightning_moe_ckpt.failures.supervisor import Supervisor, report_of
+from lightning_moe_ckpt.failures.supervisor import Supervisor, external_launcher, report_of
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
 from lightning_moe_ckpt.strategies import TrainerMoEParallelStrategy
 from lightning_moe_ckpt.targets.lightning import align_trainer_step, skip_first_sigterm_broadcast
@@ -56,7 +56,15 @@ def needs_supervisor(settings: RunSettings) -> bool:
                 f"{settings.faults.get('kind')!r}) or parallel.spares={settings.spares} "
                 "need the supervisor")
         return False
-    return supervise is True or real or settings.spares > 0
+    needed = supervise is True or real or settings.spares > 0
+    launcher = external_launcher()
+    require(not needed or launcher is None,
+            f"recovery.supervise={supervise} (faults.kind={settings.faults.get('kind')!r}, "
+            f"parallel.spares={settings.spares}) under {launcher}: the supervisor starts "
+            "the workers itself, so every process would run a whole job of its own; run "
+            "the recipe as one process (python recipes/train.py ...), or set "
+            "recovery.supervise=false (a worker that dies then ends the job)")
+    return needed
 
 
 # What the recipe's workers import, for the fork server to import once (fork_workers).

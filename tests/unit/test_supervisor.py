@@ -50,6 +50,11 @@ WORKER = textwrap.dedent("""
         if sys.argv[1] == "abort_after_training":  # dies at exit, its training over
             store.set(finished_key(rank, os.getpid()), "1")
             os.abort()
+        if sys.argv[1] == "config_error":  # a set-up error, raised as a library raises it
+            from lightning_moe_ckpt.errors import ConfigError
+            from lightning_moe_ckpt.failures.rendezvous import JobStore
+            JobStore.from_env(30.0)
+            raise ConfigError("parallel.ep=3 is not supported here (a test's set-up error)")
         time.sleep(600)  # hang: no more heartbeats
 """)
 
@@ -300,3 +305,46 @@ def test_no_restart_left_stops_the_job(worker_script: Path) -> None:
     supervisor = _supervisor(worker_script, "exit", max_restarts=0)
     assert supervisor.run() == 1
     assert supervisor.replacements == []
+
+
+def test_a_configuration_error_stops_the_job_at_once_without_replacements(
+        worker_script: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A set-up error would stop every replacement too: it is reported once, and the
+    worker that raised it is not replaced."""
+    supervisor = _supervisor(worker_script, "config_error")
+    assert supervisor.run() == 1
+    assert supervisor.replacements == []
+    assert len(supervisor.pids[1]) == 1  # no process was started for rank 1
+    assert "stopped on a configuration error" in caplog.text
+
+
+def test_an_external_launcher_is_named() -> None:
+    from lightning_moe_ckpt.failures.supervisor import ENV_STORE, external_launcher
+
+    assert external_launcher({}) is None
+    assert external_launcher({"WORLD_SIZE": "1"}) is None
+    assert external_launcher({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"}).startswith(
+        "torchrun")
+    assert external_launcher({"SLURM_NTASKS": "4", "SLURM_PROCID": "1"}) == \
+        "srun (SLURM_NTASKS=4)"
+    assert external_launcher({"WORLD_SIZE": "2", "RANK": "1"}) == "a launcher (WORLD_SIZE=2)"
+    assert external_launcher({"WORLD_SIZE": "2", ENV_STORE: "127.0.0.1:1"}) is None
+
+
+def test_the_recipe_refuses_to_supervise_under_another_launcher(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun every process would start a supervisor and a whole job of its own."""
+    from omegaconf import OmegaConf
+
+    from moe_recipes.settings import settings_from_config
+    from moe_recipes.supervised import needs_supervisor
+
+    settings = settings_from_config(OmegaConf.create(
+        {"parallel": {"pp": 2, "microbatches": 2}, "recovery": {"supervise": True}}))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"recovery\.supervise=True .* under torchrun"):
+        needs_supervisor(settings)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert needs_supervisor(settings)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore, distributed_c10d
@@ -31,6 +32,7 @@ from lightning_moe_ckpt.failures.supervisor import (
     ENV_REPLACES,
     ENV_SPARE,
     ENV_STORE,
+    EXIT_CONFIG,
     EXIT_SUPERVISOR_LOST,
     EXIT_UNRECOVERABLE,
     FINISHED_KEY,
@@ -96,7 +98,31 @@ def exit_on_error() -> Iterator[None]:
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_UNRECOVERABLE if isinstance(error, NoUsableCheckpointError) else 1)
+        os._exit(_exit_code(error))
+
+
+def _exit_code(error: BaseException) -> int:
+    """What a worker that stopped on ``error`` tells the supervisor by its exit code."""
+    if isinstance(error, NoUsableCheckpointError):
+        return EXIT_UNRECOVERABLE
+    return EXIT_CONFIG if isinstance(error, ConfigError) else 1
+
+
+def _stop_job_on_config_error() -> None:
+    """In a supervised worker, an uncaught :class:`ConfigError` (a set-up error of the
+    user's script, such as a layout that cannot be protected) exits with
+    ``EXIT_CONFIG``, so that the supervisor stops the job instead of replacing the worker,
+    which would stop on it again."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+        previous(kind, error, trace)
+        if isinstance(error, ConfigError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_CONFIG)
+
+    sys.excepthook = hook
 
 
 @dataclass
@@ -133,6 +159,7 @@ class JobStore:
         # recovers, and both must see the generation this process is in.
         job = _THIS_PROCESS.get(address)
         if job is None:
+            _stop_job_on_config_error()
             replaces = os.environ.get(ENV_REPLACES)
             timeout = timedelta(seconds=3 * timeout_s)
             store = _client(address, timeout)

@@ -37,10 +37,11 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -63,6 +64,9 @@ EXIT_UNRECOVERABLE = 86
 # A worker's exit code when its supervisor is gone: no failure could be recovered any
 # more and nobody would collect its results.
 EXIT_SUPERVISOR_LOST = 87
+# A worker stopped on a configuration error (ConfigError): a replacement would stop on it
+# too, so the job stops at once with the message instead of replacing it.
+EXIT_CONFIG = 88
 FINISHED_KEY = "finished"  # counter: workers whose training loop ended
 
 
@@ -148,9 +152,9 @@ class Supervisor:
         store.set("generation", "0")
         store.set(TIMEOUT_KEY, repr(float(self.timeout_s)))
         self.started = time.monotonic()
-        base = {**os.environ, **self.env, ENV_STORE: f"127.0.0.1:{store.port}",
-                "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(self.world_size),
-                "NODE_RANK": "0"}
+        base = {"MASTER_PORT": str(_free_port()), **os.environ, **self.env,
+                ENV_STORE: f"127.0.0.1:{store.port}", "MASTER_ADDR": "127.0.0.1",
+                "WORLD_SIZE": str(self.world_size), "NODE_RANK": "0"}
         workers: dict[int, WorkerProcess] = {}
         idle: list[tuple[int, WorkerProcess]] = []
         done: set[int] = set()
@@ -203,6 +207,14 @@ class Supervisor:
                     self._stop(_every_process(workers, idle))
                     log.error("supervisor: rank(s) %s found nothing to recover from (their "
                               "error is above); the job stops", hopeless)
+                    return 1
+                misconfigured = sorted(r for r, why in failed.items()
+                                       if why == f"exit {EXIT_CONFIG}")
+                if misconfigured:
+                    self._stop(_every_process(workers, idle))
+                    log.error("supervisor: rank(s) %s stopped on a configuration error "
+                              "(above), which a replacement would stop on too; the job "
+                              "stops", misconfigured)
                     return 1
                 if len(self.replacements) + len(failed) > self.max_restarts:
                     self._stop(_every_process(workers, idle))
@@ -337,3 +349,28 @@ def _every_process(workers: dict[int, WorkerProcess],
 def report_of(replacements: Sequence[Replacement]) -> list[dict[str, Any]]:
     """JSON-ready replacements (for ``metrics.json``)."""
     return [vars(r) for r in replacements]
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now (for ``MASTER_PORT`` when none is given)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def external_launcher(environ: Mapping[str, str] | None = None) -> str | None:
+    """The launcher that started this process as one of several ranks (``torchrun``,
+    ``srun``, ``mpirun``, or another that set ``RANK`` and ``WORLD_SIZE``), or None when
+    this process runs alone or under this supervisor. The supervisor starts the workers
+    itself: under another launcher every process would start a whole job of its own."""
+    env = os.environ if environ is None else environ
+    if ENV_STORE in env:
+        return None  # a worker of this supervisor
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "torchrun (TORCHELASTIC_RUN_ID is set)"
+    for key, name in (("SLURM_NTASKS", "srun"), ("OMPI_COMM_WORLD_SIZE", "mpirun"),
+                      ("PMI_SIZE", "mpirun"), ("WORLD_SIZE", "a launcher")):
+        value = env.get(key, "1")
+        if value.isdigit() and int(value) > 1:
+            return f"{name} ({key}={value})"
+    return None
