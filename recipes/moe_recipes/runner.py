@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.core.nodes import launcher_ranks_per_node
 from lightning_moe_ckpt.core.target import IterationAborted
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.failures.rendezvous import (
@@ -240,7 +241,8 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     if checkpointing is not None:
         # A replacement starts empty: its state comes from its peers in the recovery.
         checkpointing.attach(engine, rank=fabric.global_rank, world_size=fabric.world_size,
-                             ranks_per_node=max(1, _launch_settings(settings)["devices"]),
+                             ranks_per_node=launcher_ranks_per_node(
+                                 _launch_settings(settings)["devices"]),
                              device=fabric.device,
                              take_initial=job is None or job.replaces is None)
     injector = _failure_injector(settings, checkpointing)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.core.nodes import launcher_ranks_per_node
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.failures.rendezvous import JobStore
 from lightning_moe_ckpt.failures.supervisor import Supervisor, external_launcher, report_of
@@ -157,7 +158,7 @@ class RecoverRealFailures(L.Callback):
         engine = pl_module.engine_or_raise()
         self.checkpointing.attach(engine, rank=trainer.global_rank,
                                   world_size=trainer.world_size,
-                                  ranks_per_node=max(1, trainer.num_devices),
+                                  ranks_per_node=launcher_ranks_per_node(trainer.num_devices),
                                   device=pl_module.device,
                                   take_initial=self.job.replaces is None)
         if self.injector is not None:

@@ -40,6 +40,7 @@ from typing_extensions import override
 from lightning_moe_ckpt.callbacks.durable_checkpoints import DurableCheckpoints
 from lightning_moe_ckpt.callbacks.planner_profiling import PlannerProfiling
 from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
+from lightning_moe_ckpt.core.nodes import launcher_ranks_per_node
 from lightning_moe_ckpt.core.operators import OperatorOverride
 from lightning_moe_ckpt.core.rng import restore_rng, rng_state
 from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
@@ -70,7 +71,7 @@ def _ranks_per_node(fabric: Any) -> int:
     """Processes per machine of a Fabric job (replicas go to other machines first)."""
     strategy = fabric.strategy
     nodes = strategy.num_nodes if isinstance(strategy, DDPStrategy) else 1
-    return max(1, fabric.world_size // max(1, nodes))
+    return launcher_ranks_per_node(fabric.world_size // max(1, nodes))
 
 
 def _logger_writes(trainer: L.Trainer) -> bool:
@@ -362,7 +363,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
             engine.set_step(trainer.global_step)
             self.attach(engine, rank=trainer.global_rank,
                         world_size=trainer.world_size,
-                        ranks_per_node=max(1, trainer.num_devices), device=pl_module.device)
+                        ranks_per_node=launcher_ranks_per_node(trainer.num_devices),
+                        device=pl_module.device)
             return
         target = LightningTarget(trainer, pl_module, self.operators, self.top_k,
                                  self.router_parser)
@@ -372,7 +374,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
             check_replaceable(trainer)
         coordinator = self.attach(target, rank=trainer.global_rank,
                                   world_size=trainer.world_size,
-                                  ranks_per_node=max(1, trainer.num_devices),
+                                  ranks_per_node=launcher_ranks_per_node(trainer.num_devices),
                                   device=pl_module.device,
                                   take_initial=job is None or job.replaces is None)
         if job is not None:  # a replacement recovers its rank's state in here
