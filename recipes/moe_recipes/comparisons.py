@@ -45,7 +45,8 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from typing_extensions import override
 
 from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
-from lightning_moe_ckpt.policies.dense import checkfreq_interval, gemini_interval
+from lightning_moe_ckpt.policies.checkfreq import checkfreq_interval
+from lightning_moe_ckpt.policies.gemini import gemini_interval
 from lightning_moe_ckpt.training.engine import TrainingEngine
 
 COMPARISON_POLICIES = ("lightning", "dcp")

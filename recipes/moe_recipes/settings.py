@@ -74,7 +74,7 @@ class CheckpointSettings:
 
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
-    from lightning_moe_ckpt.policies.moevement import setting_options
+    from lightning_moe_ckpt.policies.registry import setting_options
     from moe_recipes.comparisons import COMPARISON_OPTIONS, COMPARISON_POLICIES
 
     values = dict(values)
@@ -338,7 +338,7 @@ def _check_policy_options(checkpoint: CheckpointSettings, model: MoEModelConfig)
     bad ``checkpoint.<option>`` value fails here, before any process starts, and not in
     every rank once training is set up."""
     from lightning_moe_ckpt.planning.schedule import OperatorSpec
-    from lightning_moe_ckpt.policies.moevement import make_planner, planner_options
+    from lightning_moe_ckpt.policies.registry import make_planner, planner_options
     from moe_recipes.comparisons import COMPARISON_POLICIES, check_comparison_options
 
     if checkpoint.policy in COMPARISON_POLICIES:

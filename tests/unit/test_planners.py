@@ -16,14 +16,12 @@ from lightning_moe_ckpt.models import MoEModelConfig, MoETransformer
 from lightning_moe_ckpt.planning import profiler
 from lightning_moe_ckpt.planning.planner import CapturePlan
 from lightning_moe_ckpt.planning.schedule import OperatorSpec, specs_from_registry
-from lightning_moe_ckpt.policies.dense import (
-    CheckFreqPlanner,
-    GeminiPlanner,
-    checkfreq_interval,
-    gemini_interval,
-)
-from lightning_moe_ckpt.policies.moevement import PLANNER_NAMES, MoEvementPlanner, make_planner
-from lightning_moe_ckpt.policies.partial import MoCPlanner, MoEtionPlanner
+from lightning_moe_ckpt.policies.checkfreq import CheckFreqPlanner, checkfreq_interval
+from lightning_moe_ckpt.policies.gemini import GeminiPlanner, gemini_interval
+from lightning_moe_ckpt.policies.moc import MoCPlanner
+from lightning_moe_ckpt.policies.moetion import MoEtionPlanner
+from lightning_moe_ckpt.policies.moevement import MoEvementPlanner
+from lightning_moe_ckpt.policies.registry import PLANNER_NAMES, make_planner
 
 LAYERS, EXPERTS = 2, 4
 

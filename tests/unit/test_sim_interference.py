@@ -196,7 +196,7 @@ def test_simulated_windows_are_the_runtimes_algorithm_1() -> None:
 
 
 def test_the_runtime_does_not_import_the_simulator() -> None:
-    code = ("import sys, lightning_moe_ckpt.policies.dense\n"
+    code = ("import sys, lightning_moe_ckpt.policies.gemini\n"
             "print(sorted(m for m in sys.modules if m.startswith('lightning_moe_ckpt.sim')))")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

@@ -51,7 +51,7 @@ from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
 from lightning_moe_ckpt.planning.agreement import LargestAcrossRanks
 from lightning_moe_ckpt.planning.planner import CapturePlan
 from lightning_moe_ckpt.planning.schedule import specs_from_registry
-from lightning_moe_ckpt.policies.moevement import make_planner, planner_options, setting_options
+from lightning_moe_ckpt.policies.registry import make_planner, planner_options, setting_options
 from lightning_moe_ckpt.recovery.durable import RNG_KEY
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 from lightning_moe_ckpt.replication.shared_slots import SAME_NODE_REPLICAS

@@ -5,8 +5,8 @@ which operators' compute weights snapshot SS_t captures (a :class:`CapturePlan`)
 there is none. :class:`BasePlanner` is the interface with its defaults and the
 capabilities a policy declares (never probed); :class:`NonePlanner` is ``checkpoint=none``;
 :class:`ExpertLayout` splits a model's operators into non-experts and routed experts, for
-the planners that treat experts apart. The policies are in :mod:`.planners`
-(``moevement`` and the factory), :mod:`.planners_dense` and :mod:`.planners_partial`.
+the planners that treat experts apart. The policies are in
+:mod:`lightning_moe_ckpt.policies`, one module each, and its registry builds them by name.
 """
 
 from __future__ import annotations

@@ -17,9 +17,8 @@ partial-expert ones (MoC, MoEtion) in ``planners_partial``.
 
 from __future__ import annotations
 
-import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -27,11 +26,10 @@ import numpy as np
 import torch
 from typing_extensions import override
 
-from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
+from lightning_moe_ckpt.errors import fmt, is_number, require
 from lightning_moe_ckpt.planning.planner import (
     BasePlanner,
     CapturePlan,
-    NonePlanner,
     expert_layout,
 )
 from lightning_moe_ckpt.planning.popularity import (
@@ -44,8 +42,6 @@ from lightning_moe_ckpt.planning.schedule import (
     WindowSchedule,
     plan_window,
 )
-from lightning_moe_ckpt.policies.dense import CheckFreqPlanner, GeminiPlanner
-from lightning_moe_ckpt.policies.partial import MoCPlanner, MoEtionPlanner
 
 
 class WindowAgreement(Protocol):
@@ -309,43 +305,3 @@ class MoEvementPlanner(BasePlanner):
         self.reorders = int(d["reorders"])
         if self.tracker is not None and d["tracker"] is not None:
             self.tracker.load_state_dict(d["tracker"])
-
-
-def _planner_classes() -> dict[str, Callable[..., BasePlanner]]:
-    return {"moevement": MoEvementPlanner, "gemini": GeminiPlanner,
-            "checkfreq": CheckFreqPlanner, "moc": MoCPlanner, "moetion": MoEtionPlanner,
-            "none": NonePlanner}
-
-
-PLANNER_NAMES = ("moevement", "gemini", "checkfreq", "moc", "moetion", "none")
-
-
-# Keyword arguments the callback fills in from the model and the world, not settings.
-SUPPLIED_OPTIONS = frozenset({"n_layers", "n_experts", "top_k", "capacity_factors",
-                              "window_agreement", "interval_agreement"})
-
-
-def planner_options(name: str) -> frozenset[str]:
-    """Keyword options policy ``name``'s planner takes (settings and supplied ones)."""
-    classes = _planner_classes()
-    if name not in classes:
-        raise ConfigError(f"{fmt('checkpoint', name)} is not a checkpoint policy; choose one "
-                          f"of {', '.join(PLANNER_NAMES)} (or the peers lightning, dcp)")
-    parameters = inspect.signature(classes[name]).parameters
-    return frozenset(p for p, v in parameters.items() if v.kind is inspect.Parameter.KEYWORD_ONLY)
-
-
-def setting_options(name: str) -> frozenset[str]:
-    """The ``checkpoint.<option>`` settings policy ``name`` accepts (what the callback
-    derives from the model and the world is not among them)."""
-    return planner_options(name) - SUPPLIED_OPTIONS
-
-
-def make_planner(name: str, specs: Sequence[OperatorSpec], **options: Any) -> BasePlanner:
-    """The planner of policy ``name`` over ``specs`` (the operators it may capture)."""
-    known = planner_options(name)
-    unknown = sorted(set(options) - known)
-    require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)} "
-                         f"for checkpoint={name}; it accepts "
-                         f"{', '.join(sorted(known)) or 'no options'}")
-    return _planner_classes()[name](specs, **options)
