@@ -29,6 +29,7 @@ from moe_recipes.settings import RunSettings
 FINAL_STATE = "final_state.pt"
 METRICS = "metrics.json"
 PLOT = "training.png"
+STRUCK_FAULTS = "faults_struck.jsonl"  # real faults as they struck (a resumed job skips them)
 WORKERS = "workers.json"  # the supervisor's live view: store address, pid of every rank
 
 

@@ -13,9 +13,10 @@ with real failures runs its workers under the supervisor
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,9 @@ from lightning_moe_ckpt.failures.rendezvous import (
     exit_on_error,
     supervised,
 )
+from lightning_moe_ckpt.failures.supervisor import ENV_SPARE, is_replacement
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
+from lightning_moe_ckpt.recovery.durable import newest_complete_durable
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
 from lightning_moe_ckpt.testing import FailureInjector
 from lightning_moe_ckpt.testing.faults import schedule_from_config
@@ -58,6 +61,7 @@ from moe_recipes.outputs import (
     FINAL_STATE,
     METRICS,
     PLOT,
+    STRUCK_FAULTS,
     gather_cpu_ms,
     plot_training,
     write_metrics,
@@ -72,6 +76,8 @@ from moe_recipes.supervised import (
     needs_supervisor,
     supervise_workers,
 )
+
+log = logging.getLogger("moe_recipes")
 
 
 @dataclass
@@ -95,7 +101,9 @@ def _failure_injector(settings: RunSettings,
         return None
     schedule = schedule_from_config(settings.faults, world_size=settings.layout.world_size,
                                     max_steps=settings.max_steps, seed=settings.seed)
-    return FailureInjector(schedule, checkpointing)
+    # Real faults are recorded with the run: one that ended it strikes no more when the
+    # same command resumes the job from its durable checkpoint.
+    return FailureInjector(schedule, checkpointing, Path(settings.out_dir) / STRUCK_FAULTS)
 
 
 def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
@@ -322,10 +330,29 @@ def _comparison_checkpointing(settings: RunSettings, engine: TrainingEngine, ran
     return peer
 
 
+def _resume_settings(settings: RunSettings) -> RunSettings:
+    """The job started again (the same command, ``ckpt_path`` left out) resumes from its
+    newest complete durable checkpoint, when the durable tier wrote one: after a failure
+    with no replacement left (the supervisor's exit code ``EXIT_NO_SPARE``), or any stop.
+    A replacement or a spare joins the running job instead."""
+    checkpoint = settings.checkpoint
+    if (settings.ckpt_path is not None or checkpoint.durable_every is None
+            or checkpoint.durable_dir is None or settings.api != "trainer"
+            or settings.model.family != "builtin" or is_replacement()
+            or ENV_SPARE in os.environ):
+        return settings
+    newest = newest_complete_durable(checkpoint.durable_dir, settings.layout.world_size)
+    if newest is None:
+        return settings
+    log.warning("resuming from the newest complete durable checkpoint %s (started again "
+                "with checkpoint.durable_every set and no ckpt_path)", newest)
+    return replace(settings, ckpt_path=newest)
+
+
 def run_training(cfg: DictConfig) -> dict[str, Any]:
     """Train as the recipe config says and write the run's artifacts on rank 0; returns the
     metrics (empty on other ranks)."""
-    settings = settings_from_config(cfg)
+    settings = _resume_settings(settings_from_config(cfg))
     if needs_supervisor(settings):
         if not supervised():
             return supervise_workers(settings)

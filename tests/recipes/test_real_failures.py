@@ -322,3 +322,38 @@ def test_trainer_api_kill_and_kill_of_rank_0_recover_bitwise(
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = _replaced_ranks(tmp_path, {0: "exit -9", 1: "exit -9"}, world=2)
     _assert_bitwise(golden_pp2, tmp_path, metrics)
+
+
+PP2_DURABLE = ("api=trainer", "parallel.pp=2", "parallel.microbatches=2",
+               "trainer.max_steps=12", "checkpoint.window=3", "checkpoint.durable_every=1",
+               "recovery.timeout_s=30")
+
+
+def test_no_replacement_left_ends_the_job_and_the_same_command_resumes_it_bitwise(
+        tmp_path: Path) -> None:
+    """Rank 1 is killed at step 10 with no replacement allowed: the job ends with the
+    documented code. The same command started again finds the newest complete durable
+    checkpoint by itself, the fault that struck does not strike again, and training ends
+    bitwise equal to the run without the failure."""
+    from lightning_moe_ckpt.failures.supervisor import EXIT_NO_SPARE
+
+    golden = run_recipe(tmp_path / "golden", *PP2_DURABLE)
+    assert golden.returncode == 0, golden.stderr[-4000:]
+    job = tmp_path / "job"
+    command = (*PP2_DURABLE, "faults=at", "faults.kind=kill",
+               "faults.events=[{step: 10, rank: 1}]", "recovery.max_restarts=0")
+    first = run_recipe(job, *command)
+    assert first.returncode == EXIT_NO_SPARE, first.stderr[-4000:]
+    assert "no replacement is left" in first.stderr
+    struck = [json.loads(line)
+              for line in (job / "faults_struck.jsonl").read_text().splitlines()]
+    assert struck == [{"step": 10, "rank": 1, "phase": "optimizer", "kind": "kill"}]
+    assert not (job / "final_state.pt").exists()
+    second = run_recipe(job, *command)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "resuming from the newest complete durable checkpoint" in second.stderr
+    metrics = json.loads((job / "metrics.json").read_text())
+    assert metrics["failures_injected"] == 0 and metrics["replacements"] == []
+    assert_states_equal(tmp_path / "golden" / "final_state.pt", job / "final_state.pt")
+    losses = json.loads((tmp_path / "golden" / "metrics.json").read_text())["loss"]
+    assert metrics["loss"] == losses[-len(metrics["loss"]):]  # the resumed steps' losses

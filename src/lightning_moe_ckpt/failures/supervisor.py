@@ -67,6 +67,10 @@ EXIT_SUPERVISOR_LOST = 87
 # A worker stopped on a configuration error (ConfigError): a replacement would stop on it
 # too, so the job stops at once with the message instead of replacing it.
 EXIT_CONFIG = 88
+# Ranks failed and no replacement is left (``max_restarts`` used up): the job ends, and
+# started again (SLURM ``--requeue``, a wrapper loop) it resumes from its newest durable
+# checkpoint.
+EXIT_NO_SPARE = 89
 FINISHED_KEY = "finished"  # counter: workers whose training loop ended
 
 
@@ -220,9 +224,11 @@ class Supervisor:
                     self._stop(_every_process(workers, idle))
                     ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
                     log.error("supervisor: %s failed after %d replacements "
-                              "(recovery.max_restarts=%d); the job stops", ranks,
-                              len(self.replacements), self.max_restarts)
-                    return 1
+                              "(recovery.max_restarts=%d): no replacement is left, the job "
+                              "stops (exit code %d; started again, it resumes from its "
+                              "newest durable checkpoint)", ranks, len(self.replacements),
+                              self.max_restarts, EXIT_NO_SPARE)
+                    return EXIT_NO_SPARE
                 generation += 1
                 for rank, cause in sorted(failed.items()):
                     log.warning("supervisor: rank %d (pid %d) failed: %s; opening generation "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import time
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,34 @@ def durable_step(path: str) -> int:
     if match is None:
         raise ValueError(f"{path!r} is not a durable checkpoint name (step=N.ckpt)")
     return int(match.group(1))
+
+
+def newest_complete_durable(directory: str | Path, world_size: int) -> str | None:
+    """The newest durable checkpoint in ``directory`` that every rank wrote whole, or None.
+
+    A checkpoint is ``step=N.ckpt``: one file, or a directory of ``rank<NNNNN>.ckpt`` files
+    (one per rank, ``MoEParallelStrategy``). Each file must be a whole zip archive, as
+    ``torch.save`` writes it: its members' CRCs are checked (nothing is unpickled), so a
+    write cut short by a failure is passed over for the one before it."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    found = [(durable_step(str(path)), path) for path in root.glob("step=*.ckpt")
+             if re.fullmatch(r"step=\d+\.ckpt", path.name)]
+    for _, path in sorted(found, reverse=True):
+        files = ([path] if path.is_file() else
+                 [path / f"rank{rank:05d}.ckpt" for rank in range(world_size)])
+        if all(_whole_archive(file) for file in files):
+            return str(path)
+    return None
+
+
+def _whole_archive(path: Path) -> bool:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is None
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def agree_on_durable(saved: Sequence[str], failed_step: int) -> str | None:

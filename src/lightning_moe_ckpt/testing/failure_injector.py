@@ -20,11 +20,13 @@ ranks, phase timings).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -44,11 +46,21 @@ from lightning_moe_ckpt.testing.faults import (
     FaultSchedule,
     check_reachable,
     destroy_rank_state,
+    parse_event,
 )
 
 # Recovery phases in the order they happen ("convert_load": loading the window's first
 # snapshot; "convert": replaying the window with frozen operators).
 PHASE_ORDER = ("detect", "fetch", "convert_load", "convert", "replay", "resume", "total")
+
+
+def _read_struck(path: Path | None) -> frozenset[FailureEvent]:
+    """The real faults an earlier run of the job recorded at ``path`` (none: no file)."""
+    if path is None or not path.exists():
+        return frozenset()
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return frozenset(parse_event(row, f"{path} line {index + 1}")
+                     for index, row in enumerate(rows))
 
 
 def fail_for_real(event: FailureEvent) -> None:
@@ -75,16 +87,27 @@ class FailureInjector(L.Callback, StepHooks):
             :class:`~.faults.NoFaults`.
         checkpointing: The callback recovery goes through; it must be among the Trainer's
             callbacks.
+        struck_log: A file (JSON lines) where real faults are recorded as they strike;
+            those it already holds, from an earlier run of the same job that one of them
+            ended, do not strike again (a job resumed from its durable checkpoint meets
+            them no more, as a real failure would not recur). ``None``: no record.
 
     Raises:
         TypeError: ``checkpointing`` is not a :class:`SparseCheckpointing`.
     """
 
-    def __init__(self, schedule: FaultSchedule, checkpointing: SparseCheckpointing) -> None:
+    def __init__(self, schedule: FaultSchedule, checkpointing: SparseCheckpointing,
+                 struck_log: str | Path | None = None) -> None:
         if not isinstance(checkpointing, SparseCheckpointing):
             raise TypeError("FailureInjector recovers through the SparseCheckpointing callback "
                             f"it is given, not {checkpointing!r}")
         self.schedule = schedule
+        # Real faults are recorded here as they strike, and those already recorded (an
+        # earlier run of the same job, which one of them ended) strike no more: a run
+        # resumed from a durable checkpoint does not meet them again, as a real failure
+        # would not recur.
+        self.struck_log = None if struck_log is None else Path(struck_log)
+        self.struck = _read_struck(self.struck_log)
         self.checkpointing = checkpointing
         self.counter = FailureCounter()
         self.recoveries: list[dict[str, Any]] = []
@@ -131,8 +154,7 @@ class FailureInjector(L.Callback, StepHooks):
             if (event.real and event.rank == self.rank and self._real_at(step)
                     and event.phase not in ("replication", "recovery")
                     and not (event.phase == "snapshot_copy" and step > 0)):
-                self.counter.record(event)
-                fail_for_real(event)
+                self._strike(event)
         events = [event for event in events if not event.real]  # nobody else reads those
         if not events:
             return
@@ -191,16 +213,14 @@ class FailureInjector(L.Callback, StepHooks):
         for event in self.schedule.events_at(step + 1):
             if (event.real and event.rank == self.rank and event.phase == "snapshot_copy"
                     and self._real_at(step + 1)):
-                self.counter.record(event)
-                fail_for_real(event)
+                self._strike(event)
 
     def fail_during_recovery(self, failed_step: int) -> None:
         """A real fault in phase ``recovery`` at step ``s`` strikes while this rank (a
         survivor) recovers from another failure at ``s``, before its state is touched."""
         for event in self.schedule.events_at(failed_step):
             if event.real and event.rank == self.rank and event.phase == "recovery":
-                self.counter.record(event)
-                fail_for_real(event)
+                self._strike(event)
 
     def _fail_while_replicating(self, snapshot_step: int) -> None:
         """A real fault in phase ``replication`` at step ``s`` strikes while SS_(s-1) is
@@ -208,8 +228,7 @@ class FailureInjector(L.Callback, StepHooks):
         for event in self.schedule.events_at(snapshot_step + 1):
             if (event.real and event.rank == self.rank and event.phase == "replication"
                     and self._real_at(snapshot_step + 1)):
-                self.counter.record(event)
-                fail_for_real(event)
+                self._strike(event)
 
     def _note_resumed_past(self, start_step: int) -> None:
         """A run resumed at ``start_step`` (``ckpt_path``) continues its schedule there:
@@ -227,6 +246,21 @@ class FailureInjector(L.Callback, StepHooks):
     def _real_at(self, step: int) -> bool:
         """Whether this rank's real faults at ``step`` may still fire."""
         return self.real_from is not None and step >= self.real_from
+
+    def _strike(self, event: FailureEvent) -> None:
+        """Fail for real as ``event`` says, recorded first (unless an earlier run of the
+        job recorded it: then it struck already)."""
+        if event in self.struck:
+            return
+        self.counter.record(event)
+        if self.struck_log is not None:
+            row = json.dumps({"step": event.step, "rank": event.rank, "phase": event.phase,
+                              "kind": event.kind})
+            with self.struck_log.open("a") as log:  # one short append: whole even if racing
+                log.write(row + "\n")
+                log.flush()
+                os.fsync(log.fileno())
+        fail_for_real(event)
 
     def _destroy(self) -> None:
         """What this rank's worker loses when it fails."""
