@@ -40,7 +40,7 @@ from lightning_moe_ckpt.failures.rendezvous import (
 )
 from lightning_moe_ckpt.failures.supervisor import ENV_SPARE, is_replacement
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
-from lightning_moe_ckpt.recovery.durable import newest_complete_durable
+from lightning_moe_ckpt.recovery import newest_complete_durable
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
 from lightning_moe_ckpt.testing import FailureInjector
 from lightning_moe_ckpt.testing.faults import schedule_from_config

@@ -58,6 +58,7 @@ from lightning_moe_ckpt.replication.shared_slots import SAME_NODE_REPLICAS
 from lightning_moe_ckpt.snapshots.checksum import require_checksum_threads
 from lightning_moe_ckpt.snapshots.helper_threads import DEFAULT_HELPER_NICE, require_helper_nice
 from lightning_moe_ckpt.strategies.trainer import MoEParallelStrategy
+from lightning_moe_ckpt.targets.data_position import DATA_POSITION_KEY, DataPosition
 from lightning_moe_ckpt.targets.fabric import FabricTarget, ProtectedStep, StepFunction
 from lightning_moe_ckpt.targets.lightning import LightningTarget
 from lightning_moe_ckpt.targets.telemetry import RouterParser
@@ -172,6 +173,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self.upstream_log = UpstreamLog() if upstream_logging else None
         self._upstream_log_peak = 0
         self._pending_state: dict[str, Any] | None = None
+        self.data_position = DataPosition()  # a user's loader's position, in checkpoints
         self._started = 0.0
         # Real failures of peers recovered on this rank (a supervised job), else None.
         self.peer_failures: PeerFailureHandler | None = None
@@ -354,6 +356,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not isinstance(pl_module, MoELanguageModule):  # its data is indexed by step
+            self.data_position.train_starts(trainer)  # a resumed run reads on where it was
         if self.target is not None:
             return  # attached already (FailureInjector listed first)
         if isinstance(pl_module, MoELanguageModule):
@@ -412,12 +416,16 @@ class SparseCheckpointing(L.Callback, StepHooks):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         checkpoint[RNG_KEY] = rng_state()  # the RNG the next step starts from
+        if not isinstance(pl_module, MoELanguageModule):
+            checkpoint[DATA_POSITION_KEY] = self.data_position.state(trainer)
 
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         if RNG_KEY in checkpoint:  # a plain ckpt_path resume continues with the same draws
             restore_rng(checkpoint[RNG_KEY])
+        if DATA_POSITION_KEY in checkpoint:  # and reads the same batches, mid-epoch too
+            self.data_position.load(checkpoint[DATA_POSITION_KEY])
 
     @override
     def state_dict(self) -> dict[str, Any]:

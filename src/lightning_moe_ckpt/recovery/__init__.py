@@ -15,6 +15,7 @@ from lightning_moe_ckpt.recovery.api import (
     RecoveryRequest,
     recover,
 )
+from lightning_moe_ckpt.recovery.durable import newest_complete_durable
 from lightning_moe_ckpt.recovery.scope import (
     RecoveryScope,
     adjacent,
@@ -33,5 +34,5 @@ from lightning_moe_ckpt.recovery.upstream_log import (
 
 __all__ = ["Cascade", "CheckpointSide", "DurableFallback", "IterationScalars", "LogBufferPool",
            "LoggedBatch", "RecoveryOutcome", "RecoveryReport", "RecoveryRequest",
-           "RecoveryScope", "UpstreamLog", "adjacent", "paused_ranks", "recover",
-           "recovery_scopes", "restarted"]
+           "RecoveryScope", "UpstreamLog", "adjacent", "newest_complete_durable",
+           "paused_ranks", "recover", "recovery_scopes", "restarted"]

@@ -50,7 +50,12 @@ def newest_complete_durable(directory: str | Path, world_size: int) -> str | Non
     A checkpoint is ``step=N.ckpt``: one file, or a directory of ``rank<NNNNN>.ckpt`` files
     (one per rank, ``MoEParallelStrategy``). Each file must be a whole zip archive, as
     ``torch.save`` writes it: its members' CRCs are checked (nothing is unpickled), so a
-    write cut short by a failure is passed over for the one before it."""
+    write cut short by a failure is passed over for the one before it.
+
+    Args:
+        directory: The durable directory (``checkpoint.durable_dir``, ``durable_dir=``).
+        world_size: The number of ranks whose files a per-rank checkpoint must hold.
+    """
     root = Path(directory)
     if not root.is_dir():
         return None
