@@ -5,6 +5,8 @@ resumed, ends bitwise equal to the run that was never interrupted."""
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -93,12 +95,20 @@ def test_a_resumed_run_reads_the_same_batches_and_ends_bitwise(
             assert torch.equal(resumed_state[name][key], value), (name, key)
 
 
-def test_a_loader_it_cannot_position_is_named() -> None:
+@pytest.mark.parametrize("durable_every", [1, None], ids=["durable", "no-checkpoint"])
+def test_a_loader_it_cannot_position_is_named_when_a_checkpoint_is_taken(
+        tmp_path: Path, durable_every: int | None) -> None:
     position_warning = r"shuffles without a generator of its own"
     module = ScheduledLM(qwen3_moe(seed=0))
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False,
+    checkpointing = SparseCheckpointing("moevement", replicas=0, window=3,
+                                        durable_every=durable_every,
+                                        durable_dir=str(tmp_path))
+    trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False,
-                        callbacks=[SparseCheckpointing("moevement", replicas=0, window=3)])
-    with pytest.warns(UserWarning, match=position_warning):
+                        enable_model_summary=False, callbacks=[checkpointing])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.fit(module, _loader(16, generator=False))
+    named = [w for w in caught if re.search(position_warning, str(w.message))]
+    assert (len(checkpointing.durable.saved) > 1) == bool(durable_every)
+    assert len(named) == (1 if durable_every else 0)  # once, however many checkpoints

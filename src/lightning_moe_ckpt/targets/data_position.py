@@ -12,7 +12,8 @@ It knows the loaders it can position: a ``RandomSampler`` with its own ``generat
 (``DataLoader(shuffle=True, generator=g)``), a ``DistributedSampler`` (its order follows
 its seed and epoch) and a ``SequentialSampler``, each under the DataLoader's
 ``BatchSampler``. For any other (``shuffle=True`` without a generator draws its order from
-the global RNG when the epoch begins, a custom batch sampler) it warns once, naming why.
+the global RNG when the epoch begins, a custom batch sampler) it warns once, at the first
+checkpoint taken, naming why.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class DataPosition:
     def train_starts(self, trainer: L.Trainer) -> None:
         """``on_train_start``: watch the loader's sampler, so that each epoch's order is
         known when it is drawn and a resumed epoch's is drawn as it was."""
-        sampler, self._batch_size = self._positionable(trainer)
+        sampler, self._batch_size = self._positionable(trainer, warn=False)
         if sampler is None:
             self._pending = None
             return
@@ -87,7 +88,7 @@ class DataPosition:
         # Processed: the batches trained in this epoch, the one whose end hook saves the
         # checkpoint included (Lightning resumes after it, at that batch index).
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        sampler, _ = self._positionable(trainer)
+        sampler, _ = self._positionable(trainer, warn=True)
         generator = None if sampler is None else _generator(sampler)
         return {"epoch": trainer.current_epoch,
                 "batches": int(progress.processed),  # type: ignore[attr-defined]
@@ -98,9 +99,10 @@ class DataPosition:
         """A checkpoint's position, applied when the resumed run draws its first order."""
         self._pending = state
 
-    def _positionable(self, trainer: L.Trainer) -> tuple[Sampler[Any] | None, int]:
-        """The sampler to position and the batch size, or ``(None, 0)`` with a warning
-        for a loader it cannot position."""
+    def _positionable(self, trainer: L.Trainer, warn: bool
+                      ) -> tuple[Sampler[Any] | None, int]:
+        """The sampler to position and the batch size, or ``(None, 0)`` for a loader it
+        cannot position, with a warning the first time ``warn`` (a checkpoint is taken)."""
         loader = trainer.train_dataloader
         why = None
         if not isinstance(loader, DataLoader):
@@ -118,7 +120,7 @@ class DataPosition:
                 why = f"its sampler is a {type(sampler).__name__}"
             else:
                 return sampler, loader.batch_sampler.batch_size
-        if not self._warned:
+        if warn and not self._warned:
             self._warned = True
             warnings.warn(f"a run resumed mid-epoch from a durable checkpoint reads other "
                           f"batches than the run that was not interrupted: {why}",
