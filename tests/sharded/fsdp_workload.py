@@ -3,16 +3,22 @@
 ``configure_model`` calls ``fully_shard`` on every decoder layer and on the root, under
 Lightning's own ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``;
 ``SparseCheckpointing`` is the only thing of this library the script adds. Run as a script:
-``python tests/sharded/fsdp_workload.py OUT_DIR [FAIL_AT] [--ddp]`` on both ranks, as
-``torchrun`` starts them (``--ddp``: the same model replicated, for the unsharded figures).
-Each rank writes its local shards, optimizer state, losses and the snapshot bytes to
-``OUT_DIR/rank<r>.pt``.
+``python tests/sharded/fsdp_workload.py OUT_DIR [FAIL_AT[:KIND]] [--ddp]`` on both ranks,
+as ``torchrun`` starts them (``--ddp``: the same model replicated, for the unsharded
+figures); with a real ``KIND`` rank 1 really fails at ``FAIL_AT``, which needs the script
+to run under ``python -m lightning_moe_ckpt.supervise --workers 2``: ``kill`` (the failure
+injector's, as the step begins), ``kill_in_forward`` (SIGKILL once the second decoder
+layer's forward ran) or ``kill_in_backward`` (once the first layer's backward ran). Each rank
+writes its local shards, optimizer state, losses, the snapshot bytes, its pid and its
+recoveries to ``OUT_DIR/rank<r>.pt``.
 """
 
 # ruff: noqa: E402  (imports follow gc.disable(), below)
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,21 +53,50 @@ class ShardedLM(LMModule):
         fully_shard(self.model, mesh=mesh)
 
 
+class KillMidStep(L.Callback):
+    """Rank 1 SIGKILLs itself inside step ``step``: in a forward or backward hook of a
+    decoder layer, while its peer is in the middle of the same pass. A process replacing
+    it does not fail again."""
+
+    def __init__(self, step: int, where: str) -> None:
+        self.step, self.where = step, where
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        if (trainer.global_rank != FAILED_RANK or trainer.global_step != self.step
+                or "MOE_REPLACES" in os.environ):
+            return
+        layers = pl_module.model.model.layers  # type: ignore[union-attr]
+
+        def die(*_: Any) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        if self.where == "forward":
+            layers[1].register_forward_hook(die)
+        else:
+            layers[0].register_full_backward_hook(die)
+
+
 def _local(tensor: Any) -> Any:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def main(out: Path, fail_at: int | None, ddp: bool) -> None:
+def main(out: Path, fail: str | None, ddp: bool) -> None:
     torch.set_num_threads(1)
     module = (LMModule if ddp else ShardedLM)(qwen3_moe(seed=0))
     checkpointing = SparseCheckpointing("moevement", replicas=1, window=WINDOW)
     spy = StepLosses()
     callbacks: list[L.Callback] = [checkpointing, spy]
     injector = None
-    if fail_at is not None:
-        injector = FailureInjector(AtSchedule([{"step": fail_at, "rank": FAILED_RANK}], 2),
-                                   checkpointing)
-        callbacks.append(injector)
+    if fail is not None:
+        step, *kind = fail.split(":")
+        if kind and kind[0].startswith("kill_in_"):
+            callbacks.append(KillMidStep(int(step), kind[0].removeprefix("kill_in_")))
+        else:
+            event = {"step": int(step), "rank": FAILED_RANK,
+                     "kind": kind[0] if kind else "simulated"}
+            injector = FailureInjector(AtSchedule([event], 2), checkpointing)
+            callbacks.append(injector)
     strategy: Any = "ddp" if ddp else ModelParallelStrategy(data_parallel_size=2,
                                                            tensor_parallel_size=1)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS,
@@ -83,11 +118,14 @@ def main(out: Path, fail_at: int | None, ddp: bool) -> None:
         "recoveries": [] if injector is None else injector.recoveries,
         "snapshot_bytes_per_iter": metrics["snapshot_bytes_per_iter"],
         "operators": checkpointing.operator_names(),
+        "pid": os.getpid(),
+        "real_recoveries": ([] if checkpointing.peer_failures is None
+                            else checkpointing.peer_failures.recoveries),
     }, out / f"rank{trainer.global_rank}.pt")
+    torch.distributed.destroy_process_group()  # as every distributed script should
 
 
 if __name__ == "__main__":
     arguments = [a for a in sys.argv[1:] if a != "--ddp"]
-    main(Path(arguments[0]), int(arguments[1]) if len(arguments) > 1 else None,
-         "--ddp" in sys.argv)
+    main(Path(arguments[0]), arguments[1] if len(arguments) > 1 else None, "--ddp" in sys.argv)
     gc.freeze()  # the report is written: exit without traversing what training built

@@ -1,10 +1,12 @@
 """Sharded data parallelism (FSDP2): a user's LightningModule that calls ``fully_shard`` in
 ``configure_model`` under Lightning's ``ModelParallelStrategy`` is protected by adding
 ``SparseCheckpointing``: each rank snapshots its local shards, and a failure of rank 1
-mid-window recovers every shard bitwise."""
+mid-window, injected or real (SIGKILL, under the supervisor), recovers every shard
+bitwise."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -12,18 +14,28 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, alive
 from tests.forked import run_python
 
 FAIL_AT = 7  # windows of 3 start at 0, 3, 6, 9: the failure strikes mid-window
 
 
-def _run(out: Path, fail_at: int | None = None, ddp: bool = False) -> list[dict[str, Any]]:
+SUPERVISED_TIMEOUT_S = 30.0  # the supervisor's hang timeout (--timeout-s)
+
+
+def _run(out: Path, fail_at: int | str | None = None, ddp: bool = False,
+         supervised: bool = False) -> list[dict[str, Any]]:
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = [str(REPO / "tests" / "sharded" / "fsdp_workload.py"), str(out),
-               *([] if fail_at is None else [str(fail_at)]), *(["--ddp"] if ddp else [])]
-    done = run_python(command, env=env, cwd=REPO, ranks=2, timeout_s=300)
+    module = "tests.sharded.fsdp_workload"
+    command = ["-m", module, str(out), *([] if fail_at is None else [str(fail_at)]),
+               *(["--ddp"] if ddp else [])]
+    if supervised:  # the supervisor starts both workers, forked with their imports done
+        command = ["-m", "lightning_moe_ckpt.supervise", "--fork-workers", "--preload",
+                   module, "--workers", "2", "--timeout-s", str(SUPERVISED_TIMEOUT_S),
+                   "--status", str(out / "workers.json"), *command]
+    done = run_python(command, env=env, cwd=REPO, ranks=1 if supervised else 2,
+                      timeout_s=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -40,13 +52,7 @@ def test_a_failed_rank_recovers_every_local_shard_bitwise(tmp_path: Path) -> Non
         (recovery,) = got["recoveries"]
         assert recovery["ranks_rolled_back"] == [0, 1]  # the shard group rolls back
         assert got["frozen_during_replay"] and got["frozen_during_replay"][0] > 0
-        assert got["params"].keys() == want["params"].keys()
-        for name, shard in want["params"].items():
-            assert torch.equal(got["params"][name], shard), (rank, name)
-        assert got["optimizer"].keys() == want["optimizer"].keys()
-        for name, state in want["optimizer"].items():
-            for key, value in state.items():
-                assert torch.equal(got["optimizer"][name][key], value), (rank, name, key)
+        _assert_same_shards(got, want, rank)
         assert got["losses"].keys() == want["losses"].keys()
         for step, loss in want["losses"].items():
             assert torch.equal(got["losses"][step], loss), (rank, step)
@@ -55,3 +61,53 @@ def test_a_failed_rank_recovers_every_local_shard_bitwise(tmp_path: Path) -> Non
     # Whole experts per rank: the fused expert tensors are split between the ranks.
     experts = [sorted(o for o in failed[r]["operators"] if ".experts." in o) for r in range(2)]
     assert experts[0] and experts[1] and not set(experts[0]) & set(experts[1])
+
+
+def _assert_same_shards(got: dict[str, Any], want: dict[str, Any], rank: int) -> None:
+    assert got["params"].keys() == want["params"].keys()
+    for name, shard in want["params"].items():
+        assert torch.equal(got["params"][name], shard), (rank, name)
+    assert got["optimizer"].keys() == want["optimizer"].keys()
+    for name, state in want["optimizer"].items():
+        for key, value in state.items():
+            assert torch.equal(got["optimizer"][name][key], value), (rank, name, key)
+
+
+@pytest.fixture(scope="module")
+def unkilled(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The run no failure interrupts."""
+    return _run(tmp_path_factory.mktemp("sharded") / "reference")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["kill", "kill_in_forward", "kill_in_backward"],
+                         ids=["as-the-step-begins", "mid-forward", "mid-backward"])
+def test_a_rank_killed_mid_window_is_replaced_and_every_shard_recovers_bitwise(
+        tmp_path: Path, unkilled: list[dict[str, Any]], kind: str) -> None:
+    """Under the supervisor rank 1 SIGKILLs itself at step 7 (mid-window): as the step
+    begins, or inside a decoder layer's forward or backward while rank 0 is in the same
+    pass. A new process takes rank 1, Lightning's ModelParallelStrategy forms its groups,
+    and it recovers its shards from rank 0's replicas, while rank 0 keeps its process,
+    drops its interrupted iteration and re-forms its groups around its live sharded model.
+    Both end bitwise equal to the unkilled run."""
+    killed = _run(tmp_path / "killed", f"{FAIL_AT}:{kind}", supervised=True)
+    view = json.loads((tmp_path / "killed" / "workers.json").read_text())
+    (replacement,) = view["replacements"]
+    assert replacement["rank"] == 1 and replacement["cause"] == "exit -9"
+    assert not alive(replacement["dead_pid"])  # the fault fired: that process is gone
+    assert killed[1]["pid"] == replacement["new_pid"]
+    assert view["worker_pids"]["0"] == [killed[0]["pid"]]  # the survivor kept its process
+    for rank in range(2):
+        got, want = killed[rank], unkilled[rank]
+        assert got["sharded"] and got["sharded"] == want["sharded"]
+        (recovery,) = got["real_recoveries"]
+        assert recovery["failed_step"] == FAIL_AT and recovery["failed_ranks"] == [1]
+        assert recovery["replacement"] == (rank == 1)
+        assert recovery["ranks_rolled_back"] == [0, 1]  # the shard group rolls back
+        assert recovery["iterations_replayed"] >= 1
+        _assert_same_shards(got, want, rank)
+        # Losses: every step of the survivor's; the replacement's from where it joined.
+        steps = [step for step in want["losses"] if rank == 0 or step >= FAIL_AT]
+        assert sorted(got["losses"]) == sorted(steps)
+        for step in steps:
+            assert torch.equal(got["losses"][step], want["losses"][step]), (rank, step)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed import TCPStore
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -97,20 +98,27 @@ def _scheduler(interval: str = "step", plateau: bool = False) -> Any:
     return SimpleNamespace(scheduler=object(), interval=interval, reduce_on_plateau=plateau)
 
 
+def _check(trainer: Any) -> None:
+    check_replaceable(trainer, trainer.strategy)
+
+
 def test_what_a_replacement_could_not_reproduce_is_refused_naming_it() -> None:
-    check_replaceable(_trainer(schedulers=(_scheduler(),)))  # per-step schedules: fine
+    _check(_trainer(schedulers=(_scheduler(),)))  # per-step schedules: fine
     with pytest.raises(ConfigError, match="interval='epoch'"):
-        check_replaceable(_trainer(schedulers=(_scheduler("epoch"),)))
+        _check(_trainer(schedulers=(_scheduler("epoch"),)))
     with pytest.raises(ConfigError, match="ReduceLROnPlateau"):
-        check_replaceable(_trainer(schedulers=(_scheduler(plateau=True),)))
+        _check(_trainer(schedulers=(_scheduler(plateau=True),)))
     with pytest.raises(ConfigError, match="train DataLoader has no length"):
-        check_replaceable(_trainer(batches=float("inf")))
+        _check(_trainer(batches=float("inf")))
     with pytest.raises(ConfigError, match="strategy=_Splitting"):
-        check_replaceable(_trainer(_Splitting(replaces=False)))
-    check_replaceable(_trainer(automatic=False))  # manual optimization, no scheduler: fine
+        _check(_trainer(_Splitting(replaces=False)))
+    with pytest.raises(ConfigError, match=r"ModelParallelStrategy runs it sharded by FSDP2.*"
+                                          r"strategy=DDPStrategy"):
+        check_replaceable(_trainer(DDPStrategy()), None)  # no way to replace a rank
+    _check(_trainer(automatic=False))  # manual optimization, no scheduler: fine
     with pytest.raises(ConfigError, match=r"automatic_optimization=False with lr_scheduler "
                                           r"object: .* one step behind"):
-        check_replaceable(_trainer(schedulers=(_scheduler(),), automatic=False))
+        _check(_trainer(schedulers=(_scheduler(),), automatic=False))
 
 
 def test_a_recovery_timeout_other_than_the_supervisors_is_refused(

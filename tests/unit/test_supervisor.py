@@ -315,8 +315,10 @@ def test_a_configuration_error_stops_the_job_at_once_without_replacements(
         worker_script: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A set-up error would stop every replacement too: it is reported once, and the
     worker that raised it is not replaced."""
+    from lightning_moe_ckpt.failures.supervisor import EXIT_CONFIG
+
     supervisor = _supervisor(worker_script, "config_error")
-    assert supervisor.run() == 1
+    assert supervisor.run() == EXIT_CONFIG == 88
     assert supervisor.replacements == []
     assert len(supervisor.pids[1]) == 1  # no process was started for rank 1
     assert "stopped on a configuration error" in caplog.text

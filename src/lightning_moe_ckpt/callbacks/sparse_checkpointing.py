@@ -27,6 +27,7 @@ then records each recovery.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.strategies import DDPStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks.durable_checkpoints import DurableCheckpoints
@@ -43,10 +45,16 @@ from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
 from lightning_moe_ckpt.core.nodes import launcher_ranks_per_node
 from lightning_moe_ckpt.core.operators import OperatorOverride
 from lightning_moe_ckpt.core.rng import restore_rng, rng_state
-from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
+from lightning_moe_ckpt.core.target import (
+    RankReplacement,
+    StepHooks,
+    StepResult,
+    TrainingTarget,
+    UserModelParallelism,
+)
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
 from lightning_moe_ckpt.failures.join import check_replaceable, protect_user_module
-from lightning_moe_ckpt.failures.rendezvous import JobStore
+from lightning_moe_ckpt.failures.rendezvous import JobStore, await_assignment, supervised
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
 from lightning_moe_ckpt.planning.agreement import LargestAcrossRanks
 from lightning_moe_ckpt.planning.planner import CapturePlan
@@ -57,6 +65,11 @@ from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 from lightning_moe_ckpt.replication.shared_slots import SAME_NODE_REPLICAS
 from lightning_moe_ckpt.snapshots.checksum import require_checksum_threads
 from lightning_moe_ckpt.snapshots.helper_threads import DEFAULT_HELPER_NICE, require_helper_nice
+from lightning_moe_ckpt.strategies.model_parallel import (
+    ModelParallelReplacement,
+    keep_start_up_collectives_local,
+    restore_start_up_collectives,
+)
 from lightning_moe_ckpt.strategies.trainer import MoEParallelStrategy
 from lightning_moe_ckpt.targets.data_position import DATA_POSITION_KEY, DataPosition
 from lightning_moe_ckpt.targets.fabric import FabricTarget, ProtectedStep, StepFunction
@@ -177,6 +190,10 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self._started = 0.0
         # Real failures of peers recovered on this rank (a supervised job), else None.
         self.peer_failures: PeerFailureHandler | None = None
+        # Lightning's ModelParallelStrategy, made to replace failed ranks (supervised).
+        self._rank_replacement: ModelParallelReplacement | None = None
+        if supervised():
+            _prepare_supervised_worker()
 
     @property
     @override
@@ -353,6 +370,12 @@ class SparseCheckpointing(L.Callback, StepHooks):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, MoEParallelStrategy):
             self.hook_into(trainer.strategy.core)
+        if (isinstance(trainer.strategy, ModelParallelStrategy) and stage == "fit"
+                and trainer.world_size > 1 and supervised()):
+            # Before the DataLoaders are processed: a replacement starts where the job is.
+            self._rank_replacement = ModelParallelReplacement(trainer.strategy)
+        else:  # the strategy keeps its own start-up collectives local, if it must
+            restore_start_up_collectives()
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -374,20 +397,33 @@ class SparseCheckpointing(L.Callback, StepHooks):
                                  self.router_parser)
         target.set_step(trainer.global_step)
         job = JobStore.from_env() if trainer.world_size > 1 else None
+        replacement = self._rank_replacement_of(trainer)
         if job is not None:
-            check_replaceable(trainer)
+            check_replaceable(trainer, replacement)
+            if isinstance(replacement, ModelParallelReplacement):
+                replacement.check()
         coordinator = self.attach(target, rank=trainer.global_rank,
                                   world_size=trainer.world_size,
                                   ranks_per_node=launcher_ranks_per_node(trainer.num_devices),
                                   device=pl_module.device,
                                   take_initial=job is None or job.replaces is None)
         if job is not None:  # a replacement recovers its rank's state in here
+            assert replacement is not None
             self.peer_failures = protect_user_module(trainer, target, coordinator,
-                                                     self.upstream_log, job)
+                                                     self.upstream_log, job, replacement)
+
+    def _rank_replacement_of(self, trainer: L.Trainer) -> RankReplacement | None:
+        """How the Trainer's strategy replaces a failed rank (None: it cannot)."""
+        strategy = trainer.strategy
+        if isinstance(strategy, UserModelParallelism) and strategy.user_layout() is not None:
+            return strategy
+        return self._rank_replacement
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: Any, batch_idx: int) -> None:
+        if isinstance(self._rank_replacement, ModelParallelReplacement):
+            self._rank_replacement.joined()  # from its first batch on, in step with all
         if isinstance(self.target, LightningTarget):
             self.target.start_iteration(batch, batch_idx)
 
@@ -435,3 +471,17 @@ class SparseCheckpointing(L.Callback, StepHooks):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_state = state_dict
+
+
+def _prepare_supervised_worker() -> None:
+    """In a worker of a supervised job, before its Trainer starts: a warm spare waits here
+    for a failed rank (and leaves when the job ends without needing it); a replacement
+    arrives at the generation it joins and keeps the start-up collectives of Lightning's
+    ``ModelParallelStrategy`` local until it has joined (the survivors do not mirror
+    them)."""
+    if not await_assignment():
+        sys.exit(0)  # the job ended without needing this spare
+    job = JobStore.from_env()
+    if job is not None and job.replaces is not None:
+        job.arrive(job.replaces)
+        keep_start_up_collectives_local()

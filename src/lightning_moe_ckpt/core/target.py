@@ -84,9 +84,9 @@ class IterationGuard(Protocol):
     def guarded(self, call: Callable[[], Any]) -> Any: ...
 
 
-class UserModelParallelism(ABC):
-    """A strategy that runs a user's own model under ``pp x dp x ep``: what the targets of
-    a user's loop read from it."""
+class RankReplacement:
+    """How the strategy running a user's model lets a failed rank be replaced while the
+    other ranks keep their processes and their live model."""
 
     # Set when real failures are recovered: every optimizer step runs through it.
     iteration_guard: IterationGuard | None = None
@@ -114,6 +114,11 @@ class UserModelParallelism(ABC):
         """A collective first pass through the rebuilt pipeline (``sample_batch``: a batch
         of the loop's, for the pipeline's shapes where this process has none yet)."""
         raise NotImplementedError(f"{type(self).__name__} does not replace failed ranks")
+
+
+class UserModelParallelism(RankReplacement, ABC):
+    """A strategy that runs a user's own model under ``pp x dp x ep``: what the targets of
+    a user's loop read from it."""
 
     @abstractmethod
     def user_layout(self) -> ParallelPlan | None:

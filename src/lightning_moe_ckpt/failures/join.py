@@ -1,9 +1,13 @@
-"""Real failures of a user's LightningModule under ``TrainerMoEParallelStrategy``.
+"""Real failures of a user's LightningModule under a strategy that replaces failed ranks.
 
 Under the supervisor (``python -m lightning_moe_ckpt.supervise``, see
 :mod:`~lightning_moe_ckpt.failures.supervisor`) ``SparseCheckpointing`` protects a user's
-:class:`~lightning_moe_ckpt.training.pipeline_module.PipelineTrainable` module against
-workers that really die or hang (:func:`protect_user_module`):
+module against workers that really die or hang (:func:`protect_user_module`): a
+:class:`~lightning_moe_ckpt.training.pipeline_module.PipelineTrainable` module under
+``TrainerMoEParallelStrategy``, or a module sharded with FSDP2 under Lightning's
+``ModelParallelStrategy``. The strategy (or what stands in for it, a
+:class:`~lightning_moe_ckpt.core.target.RankReplacement`) re-forms its process groups over
+the live model:
 
 * **survivors** run each optimizer step of the Trainer (forward, backward, clipping,
   update) through :meth:`~lightning_moe_ckpt.targets.user_loop.UserLoopTarget.guarded`:
@@ -34,7 +38,7 @@ import torch.distributed as dist
 
 from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
 from lightning_moe_ckpt.core.batch_log import BatchRecord
-from lightning_moe_ckpt.core.target import UserModelParallelism
+from lightning_moe_ckpt.core.target import RankReplacement
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.failures.rendezvous import JobStore
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
@@ -46,16 +50,17 @@ from lightning_moe_ckpt.targets.lightning import (
 )
 
 
-def check_replaceable(trainer: L.Trainer) -> None:
+def check_replaceable(trainer: L.Trainer, replacement: RankReplacement | None) -> None:
     """Fail at set-up on what a replacement process could not reproduce (see the module
-    docstring)."""
-    strategy = trainer.strategy
-    if not (isinstance(strategy, UserModelParallelism) and strategy.replaces_failed_ranks
-            and strategy.user_layout() is not None):
+    docstring); ``replacement``: how the Trainer's strategy replaces a failed rank (None:
+    it cannot)."""
+    if replacement is None or not replacement.replaces_failed_ranks:
         raise ConfigError(
             "under the supervisor, a user's LightningModule is protected against real "
             "failures when TrainerMoEParallelStrategy splits it (a PipelineTrainable "
-            f"module); this Trainer runs strategy={type(strategy).__name__}")
+            "module) or when Lightning's ModelParallelStrategy runs it sharded by FSDP2 "
+            f"(fully_shard in configure_model); this Trainer runs "
+            f"strategy={type(trainer.strategy).__name__}")
     if not trainer.lightning_module.automatic_optimization and trainer.lr_scheduler_configs:
         names = ", ".join(type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs)
         raise ConfigError(
@@ -83,11 +88,10 @@ def check_replaceable(trainer: L.Trainer) -> None:
 
 def protect_user_module(trainer: L.Trainer, target: LightningTarget,
                         coordinator: CheckpointCoordinator, upstream_log: UpstreamLog | None,
-                        job: JobStore) -> PeerFailureHandler:
+                        job: JobStore, strategy: RankReplacement) -> PeerFailureHandler:
     """Hook real-failure recovery into ``target`` (checkpointing attached already) and
-    route the Trainer's optimizer steps through it; a replacement joins the job here."""
-    strategy = trainer.strategy
-    assert isinstance(strategy, UserModelParallelism)
+    route the Trainer's optimizer steps through it (``strategy``: how the Trainer's
+    strategy replaces a failed rank); a replacement joins the job here."""
 
     def reform_groups() -> None:  # in the order a joining process builds them
         strategy.reform_user_model()

@@ -2,8 +2,11 @@
 
 Under :mod:`~lightning_moe_ckpt.failures.supervisor` every worker reaches the
 supervisor's ``TCPStore`` (``MOE_STORE``). The default process group of generation ``g``
-is formed on the store prefix ``gen<g>/`` (``torch.distributed.PrefixStore``), so the keys
-of a broken generation never mix with the next one's. A worker bumps its heartbeat
+is formed on that generation's own rendezvous store, which the supervisor hosts
+(``MASTER_PORT``, torch's ``env://`` rendezvous with ``TORCHELASTIC_USE_AGENT_STORE``), so
+the keys of a broken generation never mix with the next one's, and a process started for
+generation ``g`` forms the same group whether this module or its strategy (Lightning's)
+calls ``init_process_group``. A worker bumps its heartbeat
 counter at every iteration (and, while it recovers, from a helper thread, since a
 recovery may legitimately wait for a replacement to start).
 """
@@ -24,10 +27,11 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore, distributed_c10d
+from torch.distributed import TCPStore, distributed_c10d
 
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.failures.supervisor import (
+    ENV_AGENT_STORE,
     ENV_GENERATION,
     ENV_REPLACES,
     ENV_SPARE,
@@ -39,6 +43,7 @@ from lightning_moe_ckpt.failures.supervisor import (
     TIMEOUT_KEY,
     finished_key,
     heartbeat_key,
+    rendezvous_key,
 )
 from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
 
@@ -72,7 +77,8 @@ def await_assignment() -> bool:
         return False
     generation = str(assignment["generation"])
     os.environ.update({"RANK": str(assignment["rank"]), "LOCAL_RANK": str(assignment["rank"]),
-                       ENV_GENERATION: generation, ENV_REPLACES: generation})
+                       ENV_GENERATION: generation, ENV_REPLACES: generation,
+                       "MASTER_PORT": str(assignment["master_port"])})
     return True
 
 
@@ -144,13 +150,17 @@ class JobStore:
     _stop_watch: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
-    def from_env(cls, timeout_s: float = 60.0) -> JobStore | None:
+    def from_env(cls, timeout_s: float | None = None) -> JobStore | None:
         """The job store when this process runs under the supervisor, else ``None``.
 
-        ``timeout_s`` is ``recovery.timeout_s``, the supervisor's hang timeout. Collectives
-        give up after a third of it, so a survivor blocked on a dead peer notices (and
-        keeps its heartbeat while it recovers) well before it could be taken for hung; a
-        new generation's rendezvous waits three times as long, for a replacement to start.
+        ``timeout_s`` is ``recovery.timeout_s``, the supervisor's hang timeout (None: the
+        supervisor's own, ``--timeout-s``). Collectives give up after a third of it, so a
+        survivor blocked on a dead peer notices (and keeps its heartbeat while it
+        recovers) well before it could be taken for hung; a new generation's rendezvous
+        waits three times as long, for a replacement to start.
+
+        Raises:
+            ConfigError: ``timeout_s`` differs from the supervisor's hang timeout.
         """
         address = os.environ.get(ENV_STORE)
         if address is None:
@@ -161,20 +171,22 @@ class JobStore:
         if job is None:
             _stop_job_on_config_error()
             replaces = os.environ.get(ENV_REPLACES)
-            timeout = timedelta(seconds=3 * timeout_s)
-            store = _client(address, timeout)
+            store = _client(address, timedelta(seconds=3 * (timeout_s or 60.0)))
             supervisor_s = float(store.get(TIMEOUT_KEY))
-            if supervisor_s != float(timeout_s):
-                raise ConfigError(
-                    f"recovery_timeout_s={timeout_s} (recovery.timeout_s) differs from the "
-                    f"supervisor's hang timeout {supervisor_s} s (--timeout-s): collectives "
-                    "must give up on a dead peer well before the supervisor takes a "
-                    "recovering worker for hung; use the same value for both")
+            timeout = timedelta(seconds=3 * supervisor_s)
+            store.set_timeout(timeout)
             job = cls(store, address, int(os.environ["RANK"]),
                       int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")),
                       None if replaces is None else int(replaces), timeout,
-                      timedelta(seconds=timeout_s / 3))
+                      timedelta(seconds=supervisor_s / 3))
             _THIS_PROCESS[address] = job
+        supervisor_s = 3 * job.collective_timeout.total_seconds()
+        if timeout_s is not None and abs(supervisor_s - float(timeout_s)) > 1e-6:
+            raise ConfigError(
+                f"recovery_timeout_s={timeout_s} (recovery.timeout_s) differs from the "
+                f"supervisor's hang timeout {supervisor_s:g} s (--timeout-s): collectives "
+                "must give up on a dead peer well before the supervisor takes a "
+                "recovering worker for hung; use the same value for both")
         return job
 
     def current_generation(self) -> int:
@@ -246,7 +258,9 @@ class JobStore:
         Everyone first arrives on the store (waiting as long as a replacement may take to
         start); a rank still waiting when another failure opens a newer generation moves
         on to that one, so failures that follow each other end in one rendezvous. The
-        groups are then formed with the short collective timeout, which also bounds a
+        group is formed on the generation's rendezvous store through torch's ``env://``
+        rendezvous, as a strategy would form it (``MASTER_PORT`` of this process becomes
+        the generation's), with the short collective timeout, which also bounds a
         point-to-point receive from a peer that died (gloo takes it from the group's
         creation), so every group built in this process gets it."""
         if dist.is_initialized():
@@ -258,19 +272,26 @@ class JobStore:
                                    f"{generation} within {self.timeout.total_seconds():.0f} s")
             generation = max(generation, self.current_generation())
         distributed_c10d.default_pg_timeout = self.collective_timeout  # new_group's default
-        dist.init_process_group(backend, store=PrefixStore(f"gen{generation}/", self.store),
-                                rank=self.rank, world_size=self.world_size,
+        os.environ.update({"MASTER_ADDR": self.address.rsplit(":", 1)[0], ENV_AGENT_STORE: "True",
+                           "MASTER_PORT": self.store.get(rendezvous_key(generation)).decode()})
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
                                 timeout=self.collective_timeout)
         self.generation = generation
 
-    def _all_arrived(self, generation: int) -> bool:
+    def arrive(self, generation: int) -> None:
+        """Count this process in at ``generation`` without forming a group: a process
+        whose strategy forms the default group itself (Lightning's) arrives here first,
+        so that the survivors waiting in :meth:`join` go on to the rendezvous."""
+        self._all_arrived(generation, wait=False)
+
+    def _all_arrived(self, generation: int, wait: bool = True) -> bool:
         """Arrive at ``generation`` (once) and wait a moment for the others; whether all
         ``world_size`` ranks are there."""
         arrived = f"gen{generation}/arrived"
         if generation not in self._arrived_at:
             self._arrived_at.add(generation)
             self.store.add(arrived, 1)
-        for _ in range(20):
+        for _ in range(20 if wait else 0):
             if int(self.store.add(arrived, 0)) >= self.world_size:
                 return True
             time.sleep(_ARRIVAL_POLL_S)

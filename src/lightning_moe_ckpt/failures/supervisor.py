@@ -18,13 +18,20 @@ With ``fork_workers`` every one of these processes is forked from a fork server 
 torch, Lightning and ``preload`` imported
 (:mod:`~lightning_moe_ckpt.failures.forked_workers`), so a replacement does not import them
 again while the survivors wait.
-The survivors see the new generation (a collective error, or the generation key at their
-next iteration), re-form their process groups under the store prefix ``gen<g>/`` and
-recover with the replacement; they keep their processes and their state. After
-``max_restarts`` replacements the job fails with an error naming the rank and the
-generation. The job's exit code is 0 when every worker finished training and exited
-cleanly; a worker that fails after its training loop ended is reported, not replaced
-(no generation can form without the ranks that finished), and the code is then 1.
+Each generation's default process group rendezvous on a store of its own, which the
+supervisor opens with the generation (``MASTER_ADDR``/``MASTER_PORT`` in the workers'
+environment, with ``TORCHELASTIC_USE_AGENT_STORE=True``, as torch elastic's agent does:
+every rank connects as a client, so no training rank hosts a store, and any launcher's
+``init_process_group`` finds it, Lightning's strategies' included). The survivors see the
+new generation (a collective error, or the generation key at their next iteration),
+re-form their process groups on its store and recover with the replacement; they keep
+their processes and their state. After ``max_restarts`` replacements the job ends with
+an error naming the rank and the generation (``EXIT_NO_SPARE``). The job's exit code is 0
+when every worker finished training and exited cleanly; a worker that fails after its
+training loop ended is reported, not replaced (no generation can form without the ranks
+that finished), and the code is then 1; a worker that stopped on a configuration error
+ends the job with ``EXIT_CONFIG``, one that found nothing to recover from with
+``EXIT_UNRECOVERABLE``.
 
 The workers live no longer than their supervisor: a SIGTERM to it (a scheduler's
 cancel) stops them by pid before it exits, and a worker that loses the supervisor's
@@ -37,7 +44,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -72,6 +78,9 @@ EXIT_CONFIG = 88
 # checkpoint.
 EXIT_NO_SPARE = 89
 FINISHED_KEY = "finished"  # counter: workers whose training loop ended
+# torch.distributed's env:// rendezvous connects to MASTER_ADDR:MASTER_PORT as a client on
+# every rank (none hosts the store) when this is "True".
+ENV_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 TIMEOUT_KEY = "timeout_s"  # the supervisor's hang timeout, which workers must share
@@ -81,6 +90,11 @@ def is_replacement() -> bool:
     """Whether this process replaces a failed worker of a running job (the supervisor
     started it with the generation it joins)."""
     return ENV_REPLACES in os.environ
+
+
+def rendezvous_key(generation: int) -> str:
+    """The job-store key holding the port of ``generation``'s rendezvous store."""
+    return f"rendezvous/{generation}"
 
 
 def heartbeat_key(rank: int, pid: int) -> str:
@@ -140,8 +154,9 @@ class Supervisor:
         self._forker = WorkerForker(self.command, self.preload) if self.fork_workers else None
 
     def run(self) -> int:
-        """Supervise until every worker finished (0) or the job cannot go on (1). A
-        SIGTERM stops the workers and exits with ``128 + SIGTERM``."""
+        """Supervise until every worker finished (0) or the job cannot go on (1,
+        ``EXIT_UNRECOVERABLE``, ``EXIT_CONFIG`` or ``EXIT_NO_SPARE``). A SIGTERM stops the
+        workers and exits with ``128 + SIGTERM``."""
         if threading.current_thread() is not threading.main_thread():
             return self._supervise()  # signal handlers belong to the main thread
         previous = signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -153,11 +168,12 @@ class Supervisor:
     def _supervise(self) -> int:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=max(30.0, self.timeout_s)))
-        store.set("generation", "0")
         store.set(TIMEOUT_KEY, repr(float(self.timeout_s)))
+        rendezvous = [self._open_rendezvous(store, 0)]  # one store per generation
+        store.set("generation", "0")
         self.started = time.monotonic()
-        base = {"MASTER_PORT": str(_free_port()), **os.environ, **self.env,
-                ENV_STORE: f"127.0.0.1:{store.port}", "MASTER_ADDR": "127.0.0.1",
+        base = {**os.environ, **self.env, ENV_STORE: f"127.0.0.1:{store.port}",
+                "MASTER_ADDR": "127.0.0.1", ENV_AGENT_STORE: "True",
                 "WORLD_SIZE": str(self.world_size), "NODE_RANK": "0"}
         workers: dict[int, WorkerProcess] = {}
         idle: list[tuple[int, WorkerProcess]] = []
@@ -166,10 +182,11 @@ class Supervisor:
         generation = 0
         try:  # from the first start on: a start that fails stops those already started
             for rank in range(self.world_size):
-                workers[rank] = self._start(base, rank, 0, None)
+                workers[rank] = self._start(base, rank, 0, None, rendezvous[0].port)
             self.pids = {rank: [process.pid] for rank, process in workers.items()}
             for index in range(self.spares):
-                idle.append((index, self._launch({**base, ENV_SPARE: str(index)})))
+                idle.append((index, self._launch({**base, ENV_SPARE: str(index),
+                                                  "MASTER_PORT": str(rendezvous[0].port)})))
             self.spare_pids = [process.pid for _, process in idle]
             self._publish(store, workers, idle)
             beats = {rank: (-1, time.monotonic()) for rank in workers}
@@ -211,7 +228,7 @@ class Supervisor:
                     self._stop(_every_process(workers, idle))
                     log.error("supervisor: rank(s) %s found nothing to recover from (their "
                               "error is above); the job stops", hopeless)
-                    return 1
+                    return EXIT_UNRECOVERABLE
                 misconfigured = sorted(r for r, why in failed.items()
                                        if why == f"exit {EXIT_CONFIG}")
                 if misconfigured:
@@ -219,7 +236,7 @@ class Supervisor:
                     log.error("supervisor: rank(s) %s stopped on a configuration error "
                               "(above), which a replacement would stop on too; the job "
                               "stops", misconfigured)
-                    return 1
+                    return EXIT_CONFIG
                 if len(self.replacements) + len(failed) > self.max_restarts:
                     self._stop(_every_process(workers, idle))
                     ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
@@ -234,6 +251,7 @@ class Supervisor:
                     log.warning("supervisor: rank %d (pid %d) failed: %s; opening generation "
                                 "%d", rank, workers[rank].pid, cause, generation)
                 store.set(f"failed/{generation}", json.dumps(sorted(failed)))
+                rendezvous.append(self._open_rendezvous(store, generation))
                 store.set("generation", str(generation))
                 idle = [(index, process) for index, process in idle if process.poll() is None]
                 for rank, cause in sorted(failed.items()):
@@ -242,9 +260,11 @@ class Supervisor:
                     if warm:  # the rank's identity goes to a spare that is up already
                         index, workers[rank] = idle.pop(0)
                         store.set(f"spare/{index}", json.dumps(
-                            {"rank": rank, "generation": generation}))
+                            {"rank": rank, "generation": generation,
+                             "master_port": rendezvous[generation].port}))
                     else:
-                        workers[rank] = self._start(base, rank, generation, generation)
+                        workers[rank] = self._start(base, rank, generation, generation,
+                                                    rendezvous[generation].port)
                     self.pids[rank].append(workers[rank].pid)
                     beats[rank] = (-1, time.monotonic())
                     self.replacements.append(Replacement(
@@ -282,10 +302,18 @@ class Supervisor:
                   "torch.distributed.destroy_process_group()", ranks)
         return 1
 
+    def _open_rendezvous(self, store: TCPStore, generation: int) -> TCPStore:
+        """The store ``generation``'s default process group rendezvous on, its port
+        published in the job store (kept open until the job ends)."""
+        rendezvous = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=max(30.0, self.timeout_s)))
+        store.set(rendezvous_key(generation), str(rendezvous.port))
+        return rendezvous
+
     def _start(self, base: dict[str, str], rank: int, generation: int,
-               replaces: int | None) -> WorkerProcess:
+               replaces: int | None, master_port: int) -> WorkerProcess:
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank),
-               ENV_GENERATION: str(generation)}
+               ENV_GENERATION: str(generation), "MASTER_PORT": str(master_port)}
         if replaces is not None:
             env[ENV_REPLACES] = str(replaces)
         return self._launch(env)
@@ -355,13 +383,6 @@ def _every_process(workers: dict[int, WorkerProcess],
 def report_of(replacements: Sequence[Replacement]) -> list[dict[str, Any]]:
     """JSON-ready replacements (for ``metrics.json``)."""
     return [vars(r) for r in replacements]
-
-
-def _free_port() -> int:
-    """A TCP port free on this machine now (for ``MASTER_PORT`` when none is given)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def external_launcher(environ: Mapping[str, str] | None = None) -> str | None:
