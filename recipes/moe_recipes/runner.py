@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
-from lightning_moe_ckpt.core.nodes import launcher_ranks_per_node
+from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE, launcher_ranks_per_node
 from lightning_moe_ckpt.core.target import IterationAborted
 from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.failures.rendezvous import (
@@ -100,7 +100,8 @@ def _failure_injector(settings: RunSettings,
     if settings.faults.get("name", "none") == "none" or checkpointing is None:
         return None
     schedule = schedule_from_config(settings.faults, world_size=settings.layout.world_size,
-                                    max_steps=settings.max_steps, seed=settings.seed)
+                                    max_steps=settings.max_steps, seed=settings.seed,
+                                    ranks_per_node=settings.ranks_per_node)
     # Real faults are recorded with the run: one that ended it strikes no more when the
     # same command resumes the job from its durable checkpoint.
     return FailureInjector(schedule, checkpointing, Path(settings.out_dir) / STRUCK_FAULTS)
@@ -319,7 +320,8 @@ def _comparison_checkpointing(settings: RunSettings, engine: TrainingEngine, ran
     options = dict(checkpoint.options)
     if settings.faults.get("name", "none") != "none":
         schedule = schedule_from_config(settings.faults, world_size=world_size,
-                                        max_steps=settings.max_steps, seed=settings.seed)
+                                        max_steps=settings.max_steps, seed=settings.seed,
+                                        ranks_per_node=settings.ranks_per_node)
         failures = {step for step in range(settings.max_steps) if schedule.events_at(step)}
         if options.get("mtbf_steps") is None:
             options["mtbf_steps"] = settings.faults.get("mtbf_steps")
@@ -353,6 +355,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     """Train as the recipe config says and write the run's artifacts on rank 0; returns the
     metrics (empty on other ranks)."""
     settings = _resume_settings(settings_from_config(cfg))
+    if settings.ranks_per_node is not None:  # every rank's node, for replica placement
+        os.environ.setdefault(ENV_RANKS_PER_NODE, str(settings.ranks_per_node))
     if needs_supervisor(settings):
         if not supervised():
             return supervise_workers(settings)

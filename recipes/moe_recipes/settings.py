@@ -32,7 +32,8 @@ DATA_SOURCES = ("stdlib", "textfile")
 COMMON_CHECKPOINT_KEYS = ("checksum_threads", "durable_dir", "durable_every", "durable_keep",
                           "helper_nice", "paired_blocks", "replicas", "same_node_replicas",
                           "upstream_logging", "warmup_iterations")
-PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "schedule", "spares")
+PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "ranks_per_node", "schedule", "spare_nodes",
+                 "spares")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
                 "seed", "val_batches", "val_every")
 
@@ -178,6 +179,28 @@ class RunSettings(TrainingSettings):
     faults: dict[str, Any] = field(default_factory=dict)
     recovery: RecoverySettings = field(default_factory=RecoverySettings)
     spares: int = 0  # warm spare processes that take a failed rank (real failures)
+    # Ranks per node (node n runs ranks n*R..n*R+R-1; None: the launcher's, else one node)
+    # and spare nodes, each taking over a node whose ranks all failed.
+    ranks_per_node: int | None = None
+    spare_nodes: int = 0
+
+
+def _nodes(parallel: Mapping[str, Any], world_size: int) -> tuple[int | None, int]:
+    """``parallel.ranks_per_node`` and ``parallel.spare_nodes``, validated."""
+    ranks_per_node = parallel.get("ranks_per_node")
+    if ranks_per_node is not None:
+        require(isinstance(ranks_per_node, int) and not isinstance(ranks_per_node, bool)
+                and ranks_per_node >= 1 and world_size % ranks_per_node == 0,
+                f"{fmt('parallel.ranks_per_node', ranks_per_node)} must be an integer >= 1 "
+                f"that divides the world size {world_size} (pp x dp x ep)")
+    spare_nodes = parallel.get("spare_nodes", 0)
+    require(isinstance(spare_nodes, int) and not isinstance(spare_nodes, bool)
+            and spare_nodes >= 0,
+            f"{fmt('parallel.spare_nodes', spare_nodes)} must be an integer >= 0")
+    require(spare_nodes == 0 or ranks_per_node is not None,
+            f"parallel.spare_nodes={spare_nodes} needs parallel.ranks_per_node (the ranks a "
+            "spare node takes over)")
+    return ranks_per_node, spare_nodes
 
 
 def _section(cfg: DictConfig, key: str) -> dict[str, Any]:
@@ -275,6 +298,7 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
     spares = parallel.get("spares", 0)
     require(isinstance(spares, int) and not isinstance(spares, bool) and spares >= 0,
             f"{fmt('parallel.spares', spares)} must be an integer >= 0")
+    ranks_per_node, spare_nodes = _nodes(parallel, layout.world_size)
     hardware = _pick(_section(cfg, "hardware"), "hardware", HardwareSettings,
                      ignore=("cluster",))
     _check_hardware(hardware, layout.world_size)
@@ -315,12 +339,15 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
         faults=_section(cfg, "faults"),
         recovery=_recovery_settings(_section(cfg, "recovery")),
         spares=spares,
+        ranks_per_node=ranks_per_node,
+        spare_nodes=spare_nodes,
     )
     if settings.faults.get("name", "none") != "none":
         from lightning_moe_ckpt.testing.faults import schedule_from_config
 
         schedule_from_config(settings.faults, world_size=layout.world_size,
-                             max_steps=settings.max_steps, seed=settings.seed)  # validates
+                             max_steps=settings.max_steps, seed=settings.seed,
+                             ranks_per_node=ranks_per_node)  # validates
         require(settings.checkpoint.policy != "none",
                 f"faults={settings.faults['name']} needs a checkpoint policy to recover "
                 "from (checkpoint=none was given)")

@@ -50,14 +50,15 @@ def needs_supervisor(settings: RunSettings) -> bool:
     supervise = settings.recovery.supervise
     real = settings.faults.get("name", "none") != "none" and has_real_faults(
         schedule_from_config(settings.faults, world_size=settings.layout.world_size,
-                             max_steps=settings.max_steps, seed=settings.seed))
+                             max_steps=settings.max_steps, seed=settings.seed,
+                             ranks_per_node=settings.ranks_per_node))
     if supervise is False:
-        require(not real and settings.spares == 0,
+        require(not real and settings.spares == 0 and settings.spare_nodes == 0,
                 f"recovery.supervise=false, but real faults (faults.kind="
-                f"{settings.faults.get('kind')!r}) or parallel.spares={settings.spares} "
-                "need the supervisor")
+                f"{settings.faults.get('kind')!r}) or parallel.spares={settings.spares} or "
+                f"parallel.spare_nodes={settings.spare_nodes} need the supervisor")
         return False
-    needed = supervise is True or real or settings.spares > 0
+    needed = supervise is True or real or settings.spares > 0 or settings.spare_nodes > 0
     launcher = external_launcher()
     require(not needed or launcher is None,
             f"recovery.supervise={supervise} (faults.kind={settings.faults.get('kind')!r}, "
@@ -87,7 +88,8 @@ def supervise_workers(settings: RunSettings) -> dict[str, Any]:
                             settings.recovery.timeout_s, settings.recovery.max_restarts,
                             settings.spares, status_path=Path(settings.out_dir) / WORKERS,
                             fork_workers=settings.recovery.fork_workers,
-                            preload=RECIPE_IMPORTS)
+                            preload=RECIPE_IMPORTS, ranks_per_node=settings.ranks_per_node,
+                            spare_nodes=settings.spare_nodes)
     code = supervisor.run()
     path = Path(settings.out_dir) / METRICS
     if code != 0:
@@ -96,6 +98,8 @@ def supervise_workers(settings: RunSettings) -> dict[str, Any]:
     metrics["replacements"] = report_of(supervisor.replacements)
     metrics["worker_pids"] = {str(rank): pids for rank, pids in supervisor.pids.items()}
     metrics["spare_pids"] = supervisor.spare_pids
+    metrics["spare_node_pids"] = supervisor.spare_node_pids
+    metrics["ranks_per_node"] = settings.ranks_per_node
     metrics["supervised_training_s"] = supervisor.training_s
     path.write_text(json.dumps(metrics, indent=2))
     for r in supervisor.replacements:

@@ -153,6 +153,37 @@ def _replaced_ranks(out: Path, causes: dict[int, str], world: int) -> dict[str, 
     return metrics
 
 
+@pytest.mark.parametrize(("node", "spare_nodes"), [(1, 1), (0, 0)],
+                         ids=["last-stage-to-a-spare-node", "rank-0-to-new-processes"])
+def test_a_lost_node_is_recovered_from_replicas_on_the_other_node_bitwise(
+        tmp_path: Path, golden_pp2_ep2: Path, node: int, spare_nodes: int) -> None:
+    """pp=2 x ep=2 on two nodes of two ranks (node n runs stage n): every rank of one node
+    is SIGKILLed at step 13, a whole machine lost at once. Its windows come from replicas
+    on the other node; a spare node takes over its ranks, rank for rank, or (none left)
+    new processes do, rank 0 included. The surviving node's processes live on."""
+    lost = [2 * node, 2 * node + 1]
+    result = run_recipe(tmp_path, *PP2_EP2, "parallel.ranks_per_node=2",
+                        f"parallel.spare_nodes={spare_nodes}", "faults=at", "faults.kind=kill",
+                        f"faults.events=[{{step: 13, node: {node}}}]")
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = _replaced_ranks(tmp_path, dict.fromkeys(lost, "exit -9"), world=4)
+    _assert_bitwise(golden_pp2_ep2, tmp_path, metrics)
+    replacements = sorted(metrics["replacements"], key=lambda r: r["rank"])
+    assert [r["node"] for r in replacements] == [node, node]
+    assert {r["generation"] for r in replacements} == {1}  # one loss, one recovery
+    if spare_nodes:  # the spare node's processes, started with the job, took the ranks
+        assert [r["spare_node"] for r in replacements] == [0, 0]
+        assert [r["new_pid"] for r in replacements] == metrics["spare_node_pids"][0]
+    else:
+        assert all(r["spare_node"] is None and not r["warm_spare"] for r in replacements)
+    (recovery,) = metrics["real_recoveries"]
+    assert recovery["failed_step"] == 13 and recovery["failed_ranks"] == lost
+    assert recovery["ranks_rolled_back"] == lost  # the lost stage; the other one paused
+    _assert_paused_ran_nothing(recovery, world=4)
+    sources = {(fetch["rank"], fetch["holder"] // 2) for fetch in recovery["windows_from"]}
+    assert sources == {(rank, 1 - node) for rank in lost}  # replicas on the other node
+
+
 def test_two_workers_of_adjacent_stages_die_at_one_step(
         tmp_path: Path, golden_pp2_ep2: Path) -> None:
     """Rank 1 (stage 0) exits and rank 2 (stage 1) is killed in the same iteration: both

@@ -48,6 +48,33 @@ def test_at_schedule_errors_name_the_key(event: dict[str, object], message: str)
         AtSchedule([event], world_size=4)
 
 
+def test_an_event_naming_a_node_fails_every_rank_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    schedule = AtSchedule([{"step": 13, "node": 1, "kind": "kill"}], world_size=6,
+                          ranks_per_node=2)
+    assert schedule.events_at(13) == [FailureEvent(13, 2, "optimizer", "kill"),
+                                      FailureEvent(13, 3, "optimizer", "kill")]
+    monkeypatch.setenv("MOE_RANKS_PER_NODE", "3")  # the supervisor's --ranks-per-node
+    assert [e.rank for e in AtSchedule([{"step": 1, "node": 1}], world_size=6).events_at(1)
+            ] == [3, 4, 5]
+
+
+@pytest.mark.parametrize(("event", "per_node", "message"), [
+    ({"step": 1, "node": 2}, 2, r"faults\.events\[0\]\.node=2 is outside the 2 nodes of 2 "
+                                r"ranks \(world size 4\)"),
+    ({"step": 1, "node": 0, "rank": 1}, 2, r"names both a rank and a node"),
+    ({"step": 1, "node": -1}, 2, r"faults\.events\[0\]\.node=-1 must be an integer >= 0"),
+    ({"step": 1, "node": 0}, None, r"node=0 needs the ranks per node: set "
+                                   r"parallel\.ranks_per_node"),
+])
+def test_a_node_event_errors_name_the_key(event: dict[str, object], per_node: int | None,
+                                          message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("MOE_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE",
+                "SLURM_STEP_TASKS_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ConfigError, match=message):
+        AtSchedule([event], world_size=4, ranks_per_node=per_node)
+
+
 def test_mtbf_schedule_is_deterministic_per_seed() -> None:
     first = MtbfSchedule(20, world_size=8, seed=3, max_steps=1000)
     again = MtbfSchedule(20, world_size=8, seed=3, max_steps=1000)

@@ -40,7 +40,12 @@ WORKER = textwrap.dedent("""
     store.add(heartbeat_key(rank, os.getpid()), 1)
     print(f"worker rank={rank} replaces={os.environ.get('MOE_REPLACES')} "
           f"parent={os.getppid()}", flush=True)
-    if rank == 1 and "MOE_REPLACES" not in os.environ:
+    if sys.argv[1].startswith("node") and "MOE_REPLACES" not in os.environ:
+        # node 1 (ranks 2, 3) is lost; its processes are seen to die one by one
+        if rank == 2 or (rank == 3 and sys.argv[1] == "node"):
+            time.sleep(0.3 * (rank - 2))
+            sys.exit(3)
+    elif rank == 1 and "MOE_REPLACES" not in os.environ:
         if sys.argv[1] == "exit":
             sys.exit(3)
         if sys.argv[1] == "finished":  # its training is over; it lingers, then leaves
@@ -354,3 +359,38 @@ def test_the_recipe_refuses_to_supervise_under_another_launcher(
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     monkeypatch.delenv("WORLD_SIZE")
     assert needs_supervisor(settings)
+
+
+@pytest.mark.parametrize("mode", ["node", "node_partial"])
+def test_a_spare_node_takes_over_a_node_whose_ranks_all_failed(worker_script: Path,
+                                                                 mode: str) -> None:
+    """Four ranks on two nodes of two, one spare node: node 1 lost (its two processes
+    exiting 0.3 s apart) is taken over by the spare node, rank for rank; a single rank of
+    it failing is replaced by a new process, the spare node left for a whole node."""
+    env = {"PYTHONPATH": os.pathsep.join(sys.path)}
+    supervisor = Supervisor([sys.executable, str(worker_script), mode], 4, 30.0, 3,
+                            env=env, fork_workers=True, preload=(PRELOAD,),
+                            ranks_per_node=2, spare_nodes=1)
+    assert supervisor.run() == 0
+    (spare_node,) = supervisor.spare_node_pids
+    replacements = sorted(supervisor.replacements, key=lambda r: r.rank)
+    if mode == "node":
+        assert [(r.rank, r.node, r.spare_node, r.warm_spare) for r in replacements] == [
+            (2, 1, 0, True), (3, 1, 0, True)]
+        assert [r.generation for r in replacements] == [1, 1]  # one failure, one generation
+        assert [r.new_pid for r in replacements] == spare_node
+    else:
+        (replacement,) = replacements
+        assert (replacement.rank, replacement.spare_node, replacement.warm_spare) == (
+            2, None, False)
+        assert replacement.new_pid not in spare_node
+    assert len(supervisor.pids[0]) == len(supervisor.pids[1]) == 1  # node 0 untouched
+
+
+def test_nodes_must_divide_the_world() -> None:
+    with pytest.raises(ValueError, match="ranks_per_node=3 must be >= 1 and divide the world "
+                                         "size 4"):
+        Supervisor(["true"], 4, ranks_per_node=3)
+    with pytest.raises(ValueError, match="spare_nodes=1 must be >= 0, and needs "
+                                         "ranks_per_node"):
+        Supervisor(["true"], 4, spare_nodes=1)

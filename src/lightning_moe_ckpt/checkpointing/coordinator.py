@@ -106,6 +106,9 @@ class CheckpointCoordinator(StepHooks):
                                       share_same_node, helper_nice)
                            if effective > 0 and self.disk is None else None)
         self.replica_store = None if self.replicator is None else self.replicator.replicas
+        # Every window fetched from a replica peer in a recovery: {rank, window_start,
+        # holder}, in the order fetched.
+        self.window_fetches: list[dict[str, Any]] = []
         # Deterministic placement, recorded in metrics.json, with the peers (on this node)
         # that map this rank's snapshots rather than copy them.
         self.replica_peers = [] if self.replicator is None else list(self.replicator.peers)
@@ -290,7 +293,10 @@ class CheckpointCoordinator(StepHooks):
         ``exclude`` whose copy is intact, decoded and verified (collective)."""
         if self.replicator is None:
             raise RuntimeError("fetch_window needs replica peers (checkpoint.replicas > 0)")
-        return self.replicator.fetch_window(source, start, exclude=tuple(exclude))
+        window = self.replicator.fetch_window(source, start, exclude=tuple(exclude))
+        self.window_fetches.append({"rank": source, "window_start": start,
+                                    "holder": self.replicator.last_holder})
+        return window
 
     def retained_saves(self) -> RetainedSaves:
         """The partial baselines' stores: this rank's, and what it holds for its peers."""

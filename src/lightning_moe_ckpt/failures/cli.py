@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="processes to start, one per rank (the job's world size)")
     parser.add_argument("--spares", type=int, default=0,
                         help="warm spare processes started with the job (default 0)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks each node runs (node n: ranks n*R..n*R+R-1), for "
+                             "replica placement and node faults; default: one node")
+    parser.add_argument("--spare-nodes", type=int, default=0,
+                        help="spare nodes started with the job, --ranks-per-node warm spares "
+                             "each; one takes over a node whose ranks all failed (default 0)")
     parser.add_argument("--timeout-s", type=float, default=60.0,
                         help="a worker silent this long is hung and killed; equal to the "
                              "strategy's recovery_timeout_s (default 60)")
@@ -74,6 +80,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.spares < 0 or args.max_restarts < 0 or args.timeout_s <= 0:
         parser.error(f"--spares={args.spares} and --max-restarts={args.max_restarts} must be "
                      f">= 0 and --timeout-s={args.timeout_s} > 0")
+    if args.ranks_per_node is not None and (args.ranks_per_node < 1
+                                            or args.workers % args.ranks_per_node):
+        parser.error(f"--ranks-per-node={args.ranks_per_node} must be >= 1 and divide "
+                     f"--workers={args.workers}")
+    if args.spare_nodes < 0 or (args.spare_nodes and args.ranks_per_node is None):
+        parser.error(f"--spare-nodes={args.spare_nodes} must be >= 0 and needs "
+                     "--ranks-per-node")
     if args.preload and not args.fork_workers:
         parser.error(f"--preload={args.preload} needs --fork-workers")
     if args.module is None and not args.script:
@@ -82,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                else [sys.executable, *args.script])
     supervisor = Supervisor(command, args.workers, args.timeout_s, args.max_restarts,
                             args.spares, status_path=args.status,
-                            fork_workers=args.fork_workers, preload=args.preload)
+                            fork_workers=args.fork_workers, preload=args.preload,
+                            ranks_per_node=args.ranks_per_node, spare_nodes=args.spare_nodes)
     code = supervisor.run()
     for replacement in report_of(supervisor.replacements):
         line = (f"supervisor: generation {replacement['generation']}: rank "

@@ -55,6 +55,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE
 from lightning_moe_ckpt.failures.forked_workers import WorkerForker, WorkerProcess
 
 log = logging.getLogger("lightning_moe_ckpt")
@@ -64,6 +65,9 @@ ENV_REPLACES = "MOE_REPLACES"  # set in a replacement: the generation it joins
 ENV_STORE = "MOE_STORE"  # host:port of the supervisor's store
 ENV_SPARE = "MOE_SPARE"  # set in a warm spare: its index (it waits for a rank)
 POLL_S = 0.05
+# How long the other ranks of a node one rank of which failed are watched for failing too
+# (with ranks_per_node): a lost machine's processes are seen to exit one by one.
+NODE_LOSS_S = 1.0
 # A worker's exit code for "no recovery can succeed" (nothing left to recover from): the
 # supervisor stops the job instead of replacing the worker again.
 EXIT_UNRECOVERABLE = 86
@@ -118,6 +122,8 @@ class Replacement:
     cause: str  # "exit <code>", "hang", ...
     detected_s: float  # since the job started
     warm_spare: bool = False  # a spare started with the job took the rank
+    node: int | None = None  # the node that ran the rank (with ranks_per_node)
+    spare_node: int | None = None  # the spare node that took it (a whole node was lost)
 
 
 @dataclass
@@ -139,9 +145,16 @@ class Supervisor:
     # What the fork server imports besides torch and Lightning (modules safe to import:
     # the script's own imports, never a module that runs the job when imported).
     preload: Sequence[str] = ()
+    # Ranks per node (node n runs ranks n*R..n*R+R-1), given to the workers as
+    # MOE_RANKS_PER_NODE; None: one node runs every rank.
+    ranks_per_node: int | None = None
+    # Spare nodes started with the job, ranks_per_node warm spares each: a node whose
+    # every rank failed at once is taken over by one of them, rank for rank.
+    spare_nodes: int = 0
     replacements: list[Replacement] = field(default_factory=list)
     pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
     spare_pids: list[int] = field(default_factory=list)  # the warm spares started
+    spare_node_pids: list[list[int]] = field(default_factory=list)  # each spare node's
     # Since the job started: when every rank began its first iteration; and from then to
     # the end of every rank's training loop (recoveries and replacements included; start-up
     # and writing the results not).
@@ -150,6 +163,13 @@ class Supervisor:
     _forker: WorkerForker | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        per_node = self.ranks_per_node
+        if per_node is not None and (per_node < 1 or self.world_size % per_node):
+            raise ValueError(f"ranks_per_node={per_node} must be >= 1 and divide the world "
+                             f"size {self.world_size}")
+        if self.spare_nodes < 0 or (self.spare_nodes and per_node is None):
+            raise ValueError(f"spare_nodes={self.spare_nodes} must be >= 0, and needs "
+                             "ranks_per_node (how many ranks a spare node takes)")
         # A command a forked worker cannot run is refused here, before anything starts.
         self._forker = WorkerForker(self.command, self.preload) if self.fork_workers else None
 
@@ -175,8 +195,11 @@ class Supervisor:
         base = {**os.environ, **self.env, ENV_STORE: f"127.0.0.1:{store.port}",
                 "MASTER_ADDR": "127.0.0.1", ENV_AGENT_STORE: "True",
                 "WORLD_SIZE": str(self.world_size), "NODE_RANK": "0"}
+        if self.ranks_per_node is not None:
+            base[ENV_RANKS_PER_NODE] = str(self.ranks_per_node)
         workers: dict[int, WorkerProcess] = {}
         idle: list[tuple[int, WorkerProcess]] = []
+        idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]] = []  # spare nodes
         done: set[int] = set()
         after_training: dict[int, str] = {}  # ranks that failed once their training ended
         generation = 0
@@ -184,11 +207,18 @@ class Supervisor:
             for rank in range(self.world_size):
                 workers[rank] = self._start(base, rank, 0, None, rendezvous[0].port)
             self.pids = {rank: [process.pid] for rank, process in workers.items()}
+            spare_env = {**base, "MASTER_PORT": str(rendezvous[0].port)}
             for index in range(self.spares):
-                idle.append((index, self._launch({**base, ENV_SPARE: str(index),
-                                                  "MASTER_PORT": str(rendezvous[0].port)})))
+                idle.append((index, self._launch({**spare_env, ENV_SPARE: str(index)})))
             self.spare_pids = [process.pid for _, process in idle]
-            self._publish(store, workers, idle)
+            per_node = self.ranks_per_node or 1
+            for node in range(self.spare_nodes):
+                first = self.spares + node * per_node
+                idle_nodes.append((node, [
+                    (index, self._launch({**spare_env, ENV_SPARE: str(index)}))
+                    for index in range(first, first + per_node)]))
+            self.spare_node_pids = [[p.pid for _, p in spares] for _, spares in idle_nodes]
+            self._publish(store, workers, idle, idle_nodes)
             beats = {rank: (-1, time.monotonic()) for rank in workers}
             while len(done) < self.world_size:
                 time.sleep(POLL_S)
@@ -222,23 +252,25 @@ class Supervisor:
                         failed[rank] = "hang"
                 if not failed:
                     continue
+                if self.ranks_per_node is not None:  # one lost machine, one recovery
+                    self._await_node_losses(workers, done, failed)
                 hopeless = sorted(r for r, why in failed.items()
                                   if why == f"exit {EXIT_UNRECOVERABLE}")
                 if hopeless:
-                    self._stop(_every_process(workers, idle))
+                    self._stop(_every_process(workers, idle, idle_nodes))
                     log.error("supervisor: rank(s) %s found nothing to recover from (their "
                               "error is above); the job stops", hopeless)
                     return EXIT_UNRECOVERABLE
                 misconfigured = sorted(r for r, why in failed.items()
                                        if why == f"exit {EXIT_CONFIG}")
                 if misconfigured:
-                    self._stop(_every_process(workers, idle))
+                    self._stop(_every_process(workers, idle, idle_nodes))
                     log.error("supervisor: rank(s) %s stopped on a configuration error "
                               "(above), which a replacement would stop on too; the job "
                               "stops", misconfigured)
                     return EXIT_CONFIG
                 if len(self.replacements) + len(failed) > self.max_restarts:
-                    self._stop(_every_process(workers, idle))
+                    self._stop(_every_process(workers, idle, idle_nodes))
                     ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
                     log.error("supervisor: %s failed after %d replacements "
                               "(recovery.max_restarts=%d): no replacement is left, the job "
@@ -254,11 +286,18 @@ class Supervisor:
                 rendezvous.append(self._open_rendezvous(store, generation))
                 store.set("generation", str(generation))
                 idle = [(index, process) for index, process in idle if process.poll() is None]
+                idle_nodes = [(node, spares) for node, spares in idle_nodes
+                              if all(process.poll() is None for _, process in spares)]
+                by_spare_node = self._spare_nodes_for(failed, idle_nodes)
                 for rank, cause in sorted(failed.items()):
                     dead = workers[rank].pid
-                    warm = bool(idle)
+                    spare_node = None
+                    warm = rank in by_spare_node or bool(idle)
                     if warm:  # the rank's identity goes to a spare that is up already
-                        index, workers[rank] = idle.pop(0)
+                        if rank in by_spare_node:  # its whole node was lost
+                            spare_node, (index, workers[rank]) = by_spare_node[rank]
+                        else:
+                            index, workers[rank] = idle.pop(0)
                         store.set(f"spare/{index}", json.dumps(
                             {"rank": rank, "generation": generation,
                              "master_port": rendezvous[generation].port}))
@@ -269,19 +308,22 @@ class Supervisor:
                     beats[rank] = (-1, time.monotonic())
                     self.replacements.append(Replacement(
                         rank, generation, dead, workers[rank].pid, cause,
-                        time.monotonic() - self.started, warm))
-                self._publish(store, workers, idle)
+                        time.monotonic() - self.started, warm,
+                        None if self.ranks_per_node is None else rank // self.ranks_per_node,
+                        spare_node))
+                self._publish(store, workers, idle, idle_nodes)
                 store.set(f"replacements/{generation}",
                           json.dumps([vars(r) for r in self.replacements
                                       if r.generation == generation]))
         except BaseException:
-            self._stop(_every_process(workers, idle))
+            self._stop(_every_process(workers, idle, idle_nodes))
             raise
         if self.training_s is None:  # they finished between two polls
             self.training_s = time.monotonic() - self.started - (self.training_started_s or 0.0)
-        for index, _ in idle:  # training is over: the unused spares leave
+        unused = idle + [spare for _, spares in idle_nodes for spare in spares]
+        for index, _ in unused:  # training is over: the unused spares leave
             store.set(f"spare/{index}", json.dumps(None))
-        self._stop(_every_process({}, idle), grace_s=self.timeout_s)
+        self._stop(_every_process({}, unused), grace_s=self.timeout_s)
         return self._after_training(after_training)
 
     @staticmethod
@@ -337,13 +379,55 @@ class Supervisor:
         # Before its first beat a worker is still starting (imports, data): not hung yet.
         return count > 0 and now - since > self.timeout_s
 
+    def _await_node_losses(self, workers: dict[int, WorkerProcess], done: set[int],
+                           failed: dict[int, str]) -> None:
+        """Wait up to ``NODE_LOSS_S`` for the other ranks of every node a failure struck,
+        adding those that fail to ``failed``: the processes of a lost machine are seen to
+        exit one by one; so they open one generation (one recovery), and a spare node,
+        which takes over only a node whose ranks all failed, can take it."""
+        per_node = self.ranks_per_node
+        assert per_node is not None
+        deadline = time.monotonic() + NODE_LOSS_S
+        while True:
+            waiting = [rank for node in {r // per_node for r in failed}
+                       for rank in range(node * per_node, (node + 1) * per_node)
+                       if rank not in failed and rank not in done]
+            if not waiting or time.monotonic() > deadline:
+                return
+            for rank in waiting:
+                code = workers[rank].poll()
+                if code is not None and code != 0:
+                    failed[rank] = f"exit {code}"
+            time.sleep(POLL_S)
+
+    def _spare_nodes_for(self, failed: Mapping[int, str],
+                         idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]
+                         ) -> dict[int, tuple[int, tuple[int, WorkerProcess]]]:
+        """For every node whose ranks all failed, while spare nodes are left: its ranks,
+        each with the spare node (taken from ``idle_nodes``) and the spare taking it."""
+        per_node = self.ranks_per_node
+        taken: dict[int, tuple[int, tuple[int, WorkerProcess]]] = {}
+        if per_node is None:
+            return taken
+        for node in sorted({rank // per_node for rank in failed}):
+            ranks = range(node * per_node, (node + 1) * per_node)
+            if idle_nodes and all(rank in failed for rank in ranks):
+                spare_node, spares = idle_nodes.pop(0)
+                taken.update({rank: (spare_node, spare) for rank, spare in zip(ranks, spares,
+                                                                                strict=True)})
+        return taken
+
     def _publish(self, store: TCPStore, workers: dict[int, WorkerProcess],
-                 idle: list[tuple[int, WorkerProcess]]) -> None:
+                 idle: list[tuple[int, WorkerProcess]],
+                 idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]) -> None:
         if self.status_path is None:
             return
         status = {"store": f"127.0.0.1:{store.port}", "supervisor": os.getpid(),
                   "ranks": {str(rank): process.pid for rank, process in workers.items()},
+                  "ranks_per_node": self.ranks_per_node,
                   "idle_spares": [process.pid for _, process in idle],
+                  "idle_spare_nodes": {str(node): [process.pid for _, process in spares]
+                                       for node, spares in idle_nodes},
                   "replacements": report_of(self.replacements),
                   "worker_pids": {str(rank): pids for rank, pids in self.pids.items()}}
         partial = self.status_path.with_suffix(".tmp")
@@ -373,11 +457,13 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _every_process(workers: dict[int, WorkerProcess],
-                   idle: list[tuple[int, WorkerProcess]]
+def _every_process(workers: dict[int, WorkerProcess], idle: list[tuple[int, WorkerProcess]],
+                   idle_nodes: Sequence[tuple[int, list[tuple[int, WorkerProcess]]]] = ()
                    ) -> dict[int, WorkerProcess]:
-    """The workers by rank and the idle spares (under negative keys), to stop them all."""
-    return {**workers, **{-1 - index: process for index, process in idle}}
+    """The workers by rank and the idle spares, those of spare nodes too (under negative
+    keys), to stop them all."""
+    spares = [*idle, *(spare for _, node in idle_nodes for spare in node)]
+    return {**workers, **{-1 - index: process for index, process in spares}}
 
 
 def report_of(replacements: Sequence[Replacement]) -> list[dict[str, Any]]:

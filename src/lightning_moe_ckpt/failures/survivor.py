@@ -124,6 +124,7 @@ class PeerFailureHandler(StepHooks):
                         self.job.rank, role, os.getpid(), self.job.generation,
                         self.target.step)
             self.coordinator.wait_copies()  # issued copies finish (survivor)
+            fetches = len(self.coordinator.window_fetches)
             self.target.optimizer.zero_grad()  # the aborted iteration's partial gradients
             attempt = _Attempt(None if replacing else self.target.step, set(),
                                formed=replacing)  # a replacement formed its groups at launch
@@ -159,6 +160,8 @@ class PeerFailureHandler(StepHooks):
                 "replacement": replacing,
                 "attempts": attempt.rounds, "ranks_rolled_back": outcome.rolled_back,
                 "iterations_replayed": None if report is None else report.replayed,
+                # The failed ranks' windows, and the replica peers they came from.
+                "windows_from": self.coordinator.window_fetches[fetches:],
                 "paused_forward_backward": {str(rank): calls for rank, calls
                                             in enumerate(paused) if calls is not None},
                 "timings_s": {**detect, "detect_reform": reformed - detected,

@@ -117,6 +117,7 @@ class Replicator:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.replica_count, self.ranks_per_node = replicas, ranks_per_node
+        self.last_holder: int | None = None  # the replica peer the last fetch came from
         group = dist.new_group(backend="gloo")  # collective: every rank creates it
         # None once destroyed (after a transfer error, or once the thread stopped).
         self.group: dist.ProcessGroup | None = group
@@ -246,9 +247,12 @@ class Replicator:
         problems = []
         for holder in holders:
             try:
-                return self._fetch_from(holder, source, window_start)
+                fetched = self._fetch_from(holder, source, window_start)
             except CorruptCheckpointError as error:
                 problems.append(f"replica on rank {holder}: {error}")
+                continue
+            self.last_holder = holder
+            return fetched
         if not holders:
             problems.append("no live replica peer")
         raise CorruptCheckpointError(f"no intact copy of the checkpoint of rank {source} "

@@ -31,6 +31,7 @@ from typing import Any, Literal, Protocol, cast
 import torch
 from torch import nn
 
+from lightning_moe_ckpt.core.nodes import launcher_node_size
 from lightning_moe_ckpt.core.operators import persistent_buffers
 from lightning_moe_ckpt.core.optimizer_state import OptimizerStateAccess
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
@@ -157,29 +158,60 @@ def parse_event(row: Mapping[str, Any], where: str, world_size: int | None = Non
 class AtSchedule(_ListedSchedule):
     """``faults=at``: the listed ``{step, rank[, phase]}`` failures.
 
+    A row may name a ``node`` instead of a ``rank``: every rank of that node fails at that
+    step (a whole machine lost at once), node ``n`` running ranks ``n * R`` to
+    ``n * R + R - 1`` with ``R`` ranks per node.
+
     Args:
-        events: The failures: events, or ``{step, rank[, phase, kind]}`` rows (each
+        events: The failures: events, or ``{step, rank | node[, phase, kind]}`` rows (each
             validated by :func:`parse_event`).
         world_size: Ranks in the job; an event on a rank outside it is refused. ``None``:
             not checked.
         key: The configuration key the events came from, naming them in errors.
         kind: The kind of an event that gives none (``faults.kind``).
+        ranks_per_node: ``R``, for rows that name a node; ``None``: the launcher's
+            (:func:`~lightning_moe_ckpt.core.nodes.launcher_node_size`).
 
     Raises:
-        ConfigError: An event is malformed; the message names it (``faults.events[i]``).
+        ConfigError: An event is malformed, or names a node with no ranks per node known;
+            the message names it (``faults.events[i]``).
     """
 
     def __init__(self, events: Iterable[FailureEvent | Mapping[str, Any]],
                  world_size: int | None = None, key: str = "faults.events",
-                 kind: FaultKind = "simulated") -> None:
+                 kind: FaultKind = "simulated", ranks_per_node: int | None = None) -> None:
         parsed = []
         for index, event in enumerate(events):
             where = f"{key}[{index}]"
             if isinstance(event, FailureEvent):
                 event = {"step": event.step, "rank": event.rank, "phase": event.phase,
                          "kind": event.kind}
-            parsed.append(parse_event(event, where, world_size, default_kind=kind))
+            for row in _node_rows(event, where, world_size, ranks_per_node):
+                parsed.append(parse_event(row, where, world_size, default_kind=kind))
         super().__init__(parsed)
+
+
+def _node_rows(row: Mapping[str, Any], where: str, world_size: int | None,
+               ranks_per_node: int | None) -> list[Mapping[str, Any]]:
+    """A row naming a ``node`` as one row per rank of that node; any other row as is."""
+    if not isinstance(row, Mapping) or "node" not in row:
+        return [row]
+    require("rank" not in row, f"{where} names both a rank and a node; name one")
+    node = row["node"]
+    require(isinstance(node, int) and not isinstance(node, bool) and node >= 0,
+            f"{fmt(f'{where}.node', node)} must be an integer >= 0")
+    size = ranks_per_node if ranks_per_node is not None else launcher_node_size()
+    require(size is not None,
+            f"{where}.node={node} needs the ranks per node: set parallel.ranks_per_node "
+            "(python -m lightning_moe_ckpt.supervise --ranks-per-node), or run under a "
+            "launcher that says it (LOCAL_WORLD_SIZE, SLURM)")
+    assert size is not None
+    if world_size is not None:
+        require((node + 1) * size <= world_size,
+                f"{where}.node={node} is outside the {world_size // size} nodes of "
+                f"{size} ranks (world size {world_size})")
+    rest = {key: value for key, value in row.items() if key != "node"}
+    return [{**rest, "rank": node * size + local} for local in range(size)]
 
 
 class MtbfSchedule(_ListedSchedule):
@@ -301,7 +333,8 @@ def _number(text: str) -> Any:
 
 
 def schedule_from_config(values: Mapping[str, Any], *, world_size: int, max_steps: int,
-                         seed: int, iteration_s: float | None = None) -> FaultSchedule:
+                         seed: int, iteration_s: float | None = None,
+                         ranks_per_node: int | None = None) -> FaultSchedule:
     """The schedule of a ``faults`` config section (``name`` in none, at, mtbf, trace).
 
     Args:
@@ -311,6 +344,8 @@ def schedule_from_config(values: Mapping[str, Any], *, world_size: int, max_step
         seed: The default of ``faults.seed``.
         iteration_s: The default of ``faults.iteration_s`` (converting a trace's
             ``time_s``), e.g. a profiled iteration time; ``None``: no default.
+        ranks_per_node: Ranks per node, for events that name a node (``faults=at``);
+            ``None``: the launcher's.
 
     Returns:
         The schedule; with a ``faults.kind`` other than ``simulated`` every event has that
@@ -330,8 +365,8 @@ def schedule_from_config(values: Mapping[str, Any], *, world_size: int, max_step
         events = values.get("events")
         if not isinstance(events, Sequence) or isinstance(events, str):
             raise ConfigError(f"faults.events={events!r} must be a list of "
-                              "{step, rank[, phase, kind]}")
-        at = AtSchedule(events, world_size, kind=kind)
+                              "{step, rank | node[, phase, kind]}")
+        at = AtSchedule(events, world_size, kind=kind, ranks_per_node=ranks_per_node)
         check_reachable(at, world_size=world_size, max_steps=max_steps, where="faults=at")
         return at
     schedule: _ListedSchedule
