@@ -39,6 +39,8 @@ gc.freeze()
 gc.enable()
 
 FAILED_RANK = 1
+# Below the gradient norms here: every step is clipped, by the norm over both ranks' shards.
+CLIP = 0.05
 
 
 class ShardedLM(LMModule):
@@ -101,7 +103,8 @@ def main(out: Path, fail: str | None, ddp: bool) -> None:
                                                            tensor_parallel_size=1)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=callbacks)
+                        enable_model_summary=False, callbacks=callbacks,
+                        gradient_clip_val=CLIP)
     trainer.fit(module, random_token_loader(n_batches=2 * (STEPS + 2)))
     optimizer = trainer.optimizers[0]
     names = {id(p): n for n, p in module.named_parameters()}
@@ -114,6 +117,7 @@ def main(out: Path, fail: str | None, ddp: bool) -> None:
                                      if isinstance(v, torch.Tensor)}
                       for p, state in optimizer.state.items() if state},
         "losses": spy.losses, "frozen_during_replay": spy.frozen_during_replay,
+        "clip_during_replay": spy.clip_during_replay,
         "fired": 0 if injector is None else injector.counter.total,
         "recoveries": [] if injector is None else injector.recoveries,
         "snapshot_bytes_per_iter": metrics["snapshot_bytes_per_iter"],

@@ -52,6 +52,8 @@ def test_a_failed_rank_recovers_every_local_shard_bitwise(tmp_path: Path) -> Non
         (recovery,) = got["recoveries"]
         assert recovery["ranks_rolled_back"] == [0, 1]  # the shard group rolls back
         assert got["frozen_during_replay"] and got["frozen_during_replay"][0] > 0
+        # The replay scaled the gradients by the clip coefficients the failed run logged.
+        assert got["clip_during_replay"] and all(c < 1.0 for c in got["clip_during_replay"])
         _assert_same_shards(got, want, rank)
         assert got["losses"].keys() == want["losses"].keys()
         for step, loss in want["losses"].items():

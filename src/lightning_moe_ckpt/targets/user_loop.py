@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_moe_ckpt.core.batch_log import BatchLog, BatchRecord, host_copy
@@ -310,7 +311,10 @@ class UserLoopTarget(TrainingTarget):
             return self.parallelism.user_grad_norm()
         if not grads:
             return torch.zeros(())
-        return torch.nn.utils.get_total_norm(grads, 2.0)
+        total = torch.nn.utils.get_total_norm(grads, 2.0)
+        # Sharded (FSDP2) gradients give a distributed norm: reduce it to the plain tensor
+        # the coefficient, its log and the snapshots hold (the reduction clipping needs).
+        return total.full_tensor() if isinstance(total, DTensor) else total
 
 
 def clip_by_total_norm(grads: Sequence[torch.Tensor], total: torch.Tensor,
