@@ -36,6 +36,8 @@ from lightning_moe_ckpt.errors import require
 from lightning_moe_ckpt.failures.rendezvous import (
     await_assignment,
     exit_on_error,
+    is_launcher_task,
+    join_as_launcher_task,
     supervised,
 )
 from lightning_moe_ckpt.failures.supervisor import ENV_SPARE, is_replacement
@@ -71,7 +73,10 @@ from moe_recipes.settings import RunSettings, settings_from_config
 from moe_recipes.statistics import PairedBlocks
 from moe_recipes.supervised import (
     RecoverRealFailures,
+    add_job_report,
+    check_supervisable,
     handle_peer_failures,
+    job_layout,
     job_store,
     needs_supervisor,
     supervise_workers,
@@ -354,19 +359,26 @@ def _resume_settings(settings: RunSettings) -> RunSettings:
 def run_training(cfg: DictConfig) -> dict[str, Any]:
     """Train as the recipe config says and write the run's artifacts on rank 0; returns the
     metrics (empty on other ranks)."""
-    settings = _resume_settings(settings_from_config(cfg))
+    settings = settings_from_config(cfg)
+    if supervised():  # a launcher's task takes its place in the job first (rank or spare)
+        with exit_on_error():
+            join_as_launcher_task(job_layout(settings))
+    settings = _resume_settings(settings)
     if settings.ranks_per_node is not None:  # every rank's node, for replica placement
         os.environ.setdefault(ENV_RANKS_PER_NODE, str(settings.ranks_per_node))
     if needs_supervisor(settings):
         if not supervised():
             return supervise_workers(settings)
         with exit_on_error():
+            check_supervisable(settings)
             if not await_assignment():  # a warm spare the job did not need
                 return {}
             metrics = _train_and_write(settings)
             job = job_store(settings)
             if job is not None:  # its helper thread ends before the interpreter does
                 job.stop_heartbeat()
+                if is_launcher_task():
+                    add_job_report(settings, job)
             _leave_process_groups()
             return metrics
     if (settings.layout.world_size > 1

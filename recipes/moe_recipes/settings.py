@@ -17,6 +17,7 @@ from typing import Any, Literal, cast
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_moe_ckpt.core.layout import ParallelPlan
+from lightning_moe_ckpt.core.nodes import launcher_node_size
 from lightning_moe_ckpt.core.precision import parse_precision
 from lightning_moe_ckpt.data.corpus import BYTE_VOCAB_SIZE
 from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
@@ -186,9 +187,13 @@ class RunSettings(TrainingSettings):
 
 
 def _nodes(parallel: Mapping[str, Any], world_size: int) -> tuple[int | None, int]:
-    """``parallel.ranks_per_node`` and ``parallel.spare_nodes``, validated."""
+    """``parallel.ranks_per_node`` (else the launcher's, SLURM's tasks per node, when it
+    divides the world size) and ``parallel.spare_nodes``, validated."""
     ranks_per_node = parallel.get("ranks_per_node")
-    if ranks_per_node is not None:
+    launched = launcher_node_size()
+    if ranks_per_node is None and launched is not None and world_size % launched == 0:
+        ranks_per_node = launched
+    elif ranks_per_node is not None:
         require(isinstance(ranks_per_node, int) and not isinstance(ranks_per_node, bool)
                 and ranks_per_node >= 1 and world_size % ranks_per_node == 0,
                 f"{fmt('parallel.ranks_per_node', ranks_per_node)} must be an integer >= 1 "

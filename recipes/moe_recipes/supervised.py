@@ -22,9 +22,15 @@ from typing_extensions import override
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
 from lightning_moe_ckpt.core.nodes import launcher_ranks_per_node
 from lightning_moe_ckpt.errors import require
-from lightning_moe_ckpt.failures.rendezvous import JobStore
-from lightning_moe_ckpt.failures.supervisor import Supervisor, external_launcher, report_of
+from lightning_moe_ckpt.failures.rendezvous import JobStore, supervised
+from lightning_moe_ckpt.failures.supervisor import (
+    STATUS_KEY,
+    Supervisor,
+    external_launcher,
+    report_of,
+)
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
+from lightning_moe_ckpt.failures.tasks import JobLayout
 from lightning_moe_ckpt.strategies import TrainerMoEParallelStrategy
 from lightning_moe_ckpt.targets.lightning import align_trainer_step, skip_first_sigterm_broadcast
 from lightning_moe_ckpt.testing import FailureInjector
@@ -36,7 +42,8 @@ from moe_recipes.comparisons import COMPARISON_POLICIES
 from moe_recipes.outputs import METRICS, WORKERS
 from moe_recipes.settings import RunSettings
 
-__all__ = ["RecoverRealFailures", "handle_peer_failures", "job_store", "needs_supervisor",
+__all__ = ["RecoverRealFailures", "add_job_report", "check_supervisable",
+           "handle_peer_failures", "job_layout", "job_store", "needs_supervisor",
            "supervise_workers"]
 
 
@@ -58,7 +65,8 @@ def needs_supervisor(settings: RunSettings) -> bool:
                 f"{settings.faults.get('kind')!r}) or parallel.spares={settings.spares} or "
                 f"parallel.spare_nodes={settings.spare_nodes} need the supervisor")
         return False
-    needed = supervise is True or real or settings.spares > 0 or settings.spare_nodes > 0
+    needed = (supervise is True or real or settings.spares > 0 or settings.spare_nodes > 0
+              or supervised())  # a task a launcher started for the supervisor
     launcher = external_launcher()
     require(not needed or launcher is None,
             f"recovery.supervise={supervise} (faults.kind={settings.faults.get('kind')!r}, "
@@ -73,8 +81,8 @@ def needs_supervisor(settings: RunSettings) -> bool:
 RECIPE_IMPORTS = ("hydra", "moe_recipes.runner")
 
 
-def supervise_workers(settings: RunSettings) -> dict[str, Any]:
-    """Run the job's workers under the supervisor (this process hosts the store)."""
+def check_supervisable(settings: RunSettings) -> None:
+    """Refuse a supervised job the supervisor could not keep whole."""
     why = (f"recovery.supervise={settings.recovery.supervise}, "
            f"faults.kind={settings.faults.get('kind')!r}, parallel.spares={settings.spares}")
     require(settings.layout.world_size > 1,
@@ -83,6 +91,33 @@ def supervise_workers(settings: RunSettings) -> dict[str, Any]:
     require(settings.checkpoint.policy not in ("none", *COMPARISON_POLICIES),
             f"{why}: real failures are recovered from sparse checkpoints "
             f"(checkpoint={settings.checkpoint.policy})")
+
+
+def job_layout(settings: RunSettings) -> JobLayout:
+    """The job's shape, for a supervisor that hosts a launcher's tasks."""
+    return JobLayout(settings.layout.world_size, settings.spares, settings.spare_nodes,
+                     settings.recovery.timeout_s, settings.recovery.max_restarts)
+
+
+def add_job_report(settings: RunSettings, job: JobStore) -> None:
+    """On rank 0 of a job whose tasks a launcher started: add the supervisor's view
+    (replacements, every rank's pids, the spares) to ``metrics.json``, as
+    :func:`supervise_workers` does when it started the workers."""
+    path = Path(settings.out_dir) / METRICS
+    if job.rank != 0 or not path.exists():
+        return
+    status = json.loads(job.store.get(STATUS_KEY))
+    metrics: dict[str, Any] = json.loads(path.read_text())
+    for key in ("replacements", "worker_pids", "spare_pids", "spare_node_pids"):
+        metrics[key] = status[key]
+    metrics["ranks_per_node"] = settings.ranks_per_node
+    metrics["launcher_tasks"] = True
+    path.write_text(json.dumps(metrics, indent=2))
+
+
+def supervise_workers(settings: RunSettings) -> dict[str, Any]:
+    """Run the job's workers under the supervisor (this process hosts the store)."""
+    check_supervisable(settings)
     Path(settings.out_dir).mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor([sys.executable, *sys.argv], settings.layout.world_size,
                             settings.recovery.timeout_s, settings.recovery.max_restarts,

@@ -39,8 +39,20 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_moe_ckpt.supervise",
         description="Run a training script's workers and replace those that fail.")
-    parser.add_argument("--workers", type=int, required=True,
-                        help="processes to start, one per rank (the job's world size)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes to start, one per rank (the job's world size); with "
+                             "--launcher-tasks, default: the shape task 0 sends")
+    parser.add_argument("--launcher-tasks", type=int, default=None, metavar="N",
+                        help="start nothing: a launcher (srun) starts N tasks, the ranks "
+                             "first, then the spare nodes' tasks, then the spares; this "
+                             "process hosts their store (--host, --port) and replaces failed "
+                             "ranks by spare tasks")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the host name the workers reach the store at (default "
+                             "127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="the store's port (default: a free one; a launcher's tasks "
+                             "are told it in MOE_STORE=host:port)")
     parser.add_argument("--spares", type=int, default=0,
                         help="warm spare processes started with the job (default 0)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
@@ -75,7 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Supervise the job ``argv`` describes; returns its exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.workers < 1:
+    if args.launcher_tasks is not None:
+        return _host_launcher_tasks(parser, args)
+    if args.workers is None or args.workers < 1:
         parser.error(f"--workers={args.workers} must be >= 1")
     if args.spares < 0 or args.max_restarts < 0 or args.timeout_s <= 0:
         parser.error(f"--spares={args.spares} and --max-restarts={args.max_restarts} must be "
@@ -97,6 +111,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                             args.spares, status_path=args.status,
                             fork_workers=args.fork_workers, preload=args.preload,
                             ranks_per_node=args.ranks_per_node, spare_nodes=args.spare_nodes)
+    return _report(supervisor)
+
+
+def _host_launcher_tasks(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Supervise the tasks a launcher starts (``--launcher-tasks``)."""
+    if args.script or args.module or args.fork_workers:
+        parser.error("with --launcher-tasks the launcher runs the script: name none here "
+                     "(and no --fork-workers)")
+    if args.launcher_tasks < 1 or args.workers == 0:
+        parser.error(f"--launcher-tasks={args.launcher_tasks} must be >= 1 and "
+                     f"--workers={args.workers} >= 1 when given")
+    try:
+        supervisor = Supervisor((), args.workers or 0, args.timeout_s, args.max_restarts,
+                                args.spares, status_path=args.status,
+                                ranks_per_node=args.ranks_per_node,
+                                spare_nodes=args.spare_nodes,
+                                launcher_tasks=args.launcher_tasks, store_host=args.host,
+                                store_port=args.port)
+    except ValueError as error:
+        parser.error(str(error))
+    return _report(supervisor)
+
+
+def _report(supervisor: Supervisor) -> int:
+    """Run ``supervisor``; print its replacements; its exit code."""
     code = supervisor.run()
     for replacement in report_of(supervisor.replacements):
         line = (f"supervisor: generation {replacement['generation']}: rank "

@@ -22,13 +22,14 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import TCPStore, distributed_c10d
 
+from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.failures.supervisor import (
     ENV_AGENT_STORE,
@@ -45,6 +46,14 @@ from lightning_moe_ckpt.failures.supervisor import (
     heartbeat_key,
     rendezvous_key,
 )
+from lightning_moe_ckpt.failures.tasks import (
+    LAYOUT_KEY,
+    READY_KEY,
+    JobLayout,
+    launcher_task,
+    register,
+    watch_in_parent,
+)
 from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
 
 log = logging.getLogger("lightning_moe_ckpt")
@@ -52,6 +61,7 @@ log = logging.getLogger("lightning_moe_ckpt")
 _BUSY_BEAT_S = 0.5
 _WATCH_S = 0.1  # how often the heartbeat thread publishes progress and reads the generation
 _ARRIVAL_POLL_S = 0.05
+_STARTUP_S = 600.0  # how long a launcher's task waits for the supervisor's answer
 
 
 def _client(address: str, timeout: timedelta) -> TCPStore:
@@ -64,10 +74,66 @@ def supervised() -> bool:
     return ENV_STORE in os.environ
 
 
+def join_as_launcher_task(layout: JobLayout | None = None) -> None:
+    """In a task a launcher started for a supervised job (``MOE_STORE`` set, and no
+    ``RANK`` from the supervisor, which did not start this process): split off its
+    monitor, register, and take the place the task's id gives it, a rank (``RANK``,
+    ``WORLD_SIZE``, generation 0's ``MASTER_PORT``) or a spare's index. Task 0 tells the
+    supervisor the job's shape (``layout``) when it was not given one. Elsewhere, and once
+    done: nothing (see :mod:`~lightning_moe_ckpt.failures.tasks`).
+
+    Raises:
+        ConfigError: no launcher says which task this is, or the supervisor refused the
+            job's shape, or its world size is not ``layout``'s.
+    """
+    if ENV_STORE not in os.environ or "RANK" in os.environ or ENV_SPARE in os.environ:
+        return
+    task = launcher_task()
+    if task is None:
+        raise ConfigError(f"{ENV_STORE}={os.environ[ENV_STORE]!r} is set, but neither the "
+                          "supervisor (RANK) nor a launcher (SLURM_PROCID) gave this "
+                          "process its place in the job")
+    address = os.environ[ENV_STORE]
+    store = _client(address, timedelta(seconds=_STARTUP_S))
+    if layout is not None and task.task == 0:
+        store.set(LAYOUT_KEY, json.dumps(asdict(layout)))
+    watch_in_parent(address, task.task)  # from here on, this is the monitor's child
+    store = _client(address, timedelta(seconds=_STARTUP_S))  # not the parent's socket
+    register(store, task)
+    ready = json.loads(store.get(READY_KEY))
+    if "error" in ready:
+        raise ConfigError(ready["error"])
+    world = int(ready["world_size"])
+    if layout is not None and layout.world_size != world:
+        raise ConfigError(f"the supervisor runs a job of {world} ranks; this task's "
+                          f"configuration has {layout.world_size}")
+    # Lightning's SLURM environment would take the tasks (spares included) for the ranks.
+    for key in ("SLURM_NTASKS", "SLURM_PROCID"):
+        os.environ[f"MOE_{key}"] = os.environ.pop(key)
+    env = {ENV_AGENT_STORE: "True", "MASTER_ADDR": address.rsplit(":", 1)[0],
+           "WORLD_SIZE": str(world), "NODE_RANK": "0",
+           "MASTER_PORT": store.get(rendezvous_key(0)).decode()}
+    if ready["ranks_per_node"] is not None:
+        env[ENV_RANKS_PER_NODE] = str(ready["ranks_per_node"])
+    if task.task < world:
+        env.update({"RANK": str(task.task), "LOCAL_RANK": str(task.task),
+                    ENV_GENERATION: "0"})
+    else:
+        env[ENV_SPARE] = str(task.task - world)
+    os.environ.update(env)
+
+
+def is_launcher_task() -> bool:
+    """Whether this process joined the job as a launcher's task."""
+    return "MOE_SLURM_PROCID" in os.environ
+
+
 def await_assignment() -> bool:
     """In a warm spare: wait until the supervisor hands this process a failed rank and take
     its identity (the environment a replacement would have been started with); ``False``
-    when the job ended without needing it. Elsewhere: ``True`` at once."""
+    when the job ended without needing it. Elsewhere: ``True`` at once. A launcher's task
+    joins first (:func:`join_as_launcher_task`)."""
+    join_as_launcher_task()
     index = os.environ.pop(ENV_SPARE, None)
     if index is None:
         return True

@@ -57,6 +57,7 @@ from torch.distributed import TCPStore
 
 from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE
 from lightning_moe_ckpt.failures.forked_workers import WorkerForker, WorkerProcess
+from lightning_moe_ckpt.failures.tasks import LAYOUT_KEY, READY_KEY, JobLayout, TaskProcess
 
 log = logging.getLogger("lightning_moe_ckpt")
 
@@ -88,6 +89,7 @@ ENV_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 TIMEOUT_KEY = "timeout_s"  # the supervisor's hang timeout, which workers must share
+STATUS_KEY = "status"  # the live view (as status_path holds it), for the workers
 
 
 def is_replacement() -> bool:
@@ -151,6 +153,17 @@ class Supervisor:
     # Spare nodes started with the job, ranks_per_node warm spares each: a node whose
     # every rank failed at once is taken over by one of them, rank for rank.
     spare_nodes: int = 0
+    # Tasks a launcher started (srun, recipes/cluster.py) instead of processes of this
+    # supervisor's own (failures.tasks): the first world_size are the ranks, the next
+    # spare_nodes x ranks_per_node the spare nodes, the rest single spares. With
+    # world_size 0 the job's shape comes from task 0 (JobLayout). None: start them here.
+    launcher_tasks: int | None = None
+    # Where the job store listens: the host the workers reach it at, and its port (0: a
+    # free one; a launcher's tasks are told a fixed one).
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    # How long a launcher's tasks may take to start and register.
+    startup_timeout_s: float = 600.0
     replacements: list[Replacement] = field(default_factory=list)
     pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
     spare_pids: list[int] = field(default_factory=list)  # the warm spares started
@@ -163,6 +176,17 @@ class Supervisor:
     _forker: WorkerForker | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.launcher_tasks is not None:
+            if self.fork_workers or self.command:
+                raise ValueError("a launcher starts the tasks: no command and no "
+                                 "fork_workers for the supervisor")
+            if self.world_size == 0:
+                return  # the shape comes from task 0; checked when it arrives
+        self._check_shape()
+        # A command a forked worker cannot run is refused here, before anything starts.
+        self._forker = WorkerForker(self.command, self.preload) if self.fork_workers else None
+
+    def _check_shape(self) -> None:
         per_node = self.ranks_per_node
         if per_node is not None and (per_node < 1 or self.world_size % per_node):
             raise ValueError(f"ranks_per_node={per_node} must be >= 1 and divide the world "
@@ -170,8 +194,14 @@ class Supervisor:
         if self.spare_nodes < 0 or (self.spare_nodes and per_node is None):
             raise ValueError(f"spare_nodes={self.spare_nodes} must be >= 0, and needs "
                              "ranks_per_node (how many ranks a spare node takes)")
-        # A command a forked worker cannot run is refused here, before anything starts.
-        self._forker = WorkerForker(self.command, self.preload) if self.fork_workers else None
+        if self.launcher_tasks is not None:
+            layout = JobLayout(self.world_size, self.spares, self.spare_nodes)
+            if layout.tasks(per_node or 1) != self.launcher_tasks:
+                raise ValueError(
+                    f"the launcher started {self.launcher_tasks} tasks; the job needs "
+                    f"{layout.tasks(per_node or 1)}: {self.world_size} ranks, "
+                    f"{self.spare_nodes} spare nodes of {per_node or 1} and "
+                    f"{self.spares} spares")
 
     def run(self) -> int:
         """Supervise until every worker finished (0) or the job cannot go on (1,
@@ -186,14 +216,17 @@ class Supervisor:
             signal.signal(signal.SIGTERM, previous)
 
     def _supervise(self) -> int:
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        store = TCPStore(self.store_host, self.store_port, is_master=True,
+                         wait_for_workers=False,
                          timeout=timedelta(seconds=max(30.0, self.timeout_s)))
+        if self.launcher_tasks is not None and not self._shape_from_tasks(store):
+            return EXIT_CONFIG
         store.set(TIMEOUT_KEY, repr(float(self.timeout_s)))
         rendezvous = [self._open_rendezvous(store, 0)]  # one store per generation
         store.set("generation", "0")
         self.started = time.monotonic()
-        base = {**os.environ, **self.env, ENV_STORE: f"127.0.0.1:{store.port}",
-                "MASTER_ADDR": "127.0.0.1", ENV_AGENT_STORE: "True",
+        base = {**os.environ, **self.env, ENV_STORE: f"{self.store_host}:{store.port}",
+                "MASTER_ADDR": self.store_host, ENV_AGENT_STORE: "True",
                 "WORLD_SIZE": str(self.world_size), "NODE_RANK": "0"}
         if self.ranks_per_node is not None:
             base[ENV_RANKS_PER_NODE] = str(self.ranks_per_node)
@@ -204,19 +237,12 @@ class Supervisor:
         after_training: dict[int, str] = {}  # ranks that failed once their training ended
         generation = 0
         try:  # from the first start on: a start that fails stops those already started
-            for rank in range(self.world_size):
-                workers[rank] = self._start(base, rank, 0, None, rendezvous[0].port)
+            if self.launcher_tasks is None:
+                self._start_all(base, rendezvous[0].port, workers, idle, idle_nodes)
+            else:
+                self._attach_tasks(store, workers, idle, idle_nodes)
             self.pids = {rank: [process.pid] for rank, process in workers.items()}
-            spare_env = {**base, "MASTER_PORT": str(rendezvous[0].port)}
-            for index in range(self.spares):
-                idle.append((index, self._launch({**spare_env, ENV_SPARE: str(index)})))
             self.spare_pids = [process.pid for _, process in idle]
-            per_node = self.ranks_per_node or 1
-            for node in range(self.spare_nodes):
-                first = self.spares + node * per_node
-                idle_nodes.append((node, [
-                    (index, self._launch({**spare_env, ENV_SPARE: str(index)}))
-                    for index in range(first, first + per_node)]))
             self.spare_node_pids = [[p.pid for _, p in spares] for _, spares in idle_nodes]
             self._publish(store, workers, idle, idle_nodes)
             beats = {rank: (-1, time.monotonic()) for rank in workers}
@@ -278,6 +304,15 @@ class Supervisor:
                               "newest durable checkpoint)", ranks, len(self.replacements),
                               self.max_restarts, EXIT_NO_SPARE)
                     return EXIT_NO_SPARE
+                if self.launcher_tasks is not None and not self._spares_cover(
+                        failed, idle, idle_nodes):
+                    self._stop(_every_process(workers, idle, idle_nodes))
+                    ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
+                    log.error("supervisor: %s failed and no spare task is left to take over "
+                              "(the launcher started the tasks: no new one can start); the "
+                              "job stops (exit code %d; started again, it resumes from its "
+                              "newest durable checkpoint)", ranks, EXIT_NO_SPARE)
+                    return EXIT_NO_SPARE
                 generation += 1
                 for rank, cause in sorted(failed.items()):
                     log.warning("supervisor: rank %d (pid %d) failed: %s; opening generation "
@@ -326,6 +361,71 @@ class Supervisor:
         self._stop(_every_process({}, unused), grace_s=self.timeout_s)
         return self._after_training(after_training)
 
+    def _start_all(self, base: dict[str, str], master_port: int,
+                   workers: dict[int, WorkerProcess], idle: list[tuple[int, WorkerProcess]],
+                   idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]) -> None:
+        """Start the workers, the warm spares and the spare nodes' spares here."""
+        for rank in range(self.world_size):
+            workers[rank] = self._start(base, rank, 0, None, master_port)
+        spare_env = {**base, "MASTER_PORT": str(master_port)}
+        for index in range(self.spares):
+            idle.append((index, self._launch({**spare_env, ENV_SPARE: str(index)})))
+        per_node = self.ranks_per_node or 1
+        for node in range(self.spare_nodes):
+            first = self.spares + node * per_node
+            idle_nodes.append((node, [
+                (index, self._launch({**spare_env, ENV_SPARE: str(index)}))
+                for index in range(first, first + per_node)]))
+
+    def _shape_from_tasks(self, store: TCPStore) -> bool:
+        """With a launcher's tasks: take the job's shape from task 0 unless given, check it
+        against the tasks started and answer the tasks (``job/ready``); False (the tasks
+        told why) when it does not fit."""
+        try:
+            if self.world_size == 0:
+                store.wait([LAYOUT_KEY], timedelta(seconds=self.startup_timeout_s))
+                layout = JobLayout(**json.loads(store.get(LAYOUT_KEY)))
+                self.world_size, self.spares = layout.world_size, layout.spares
+                self.spare_nodes, self.timeout_s = layout.spare_nodes, layout.timeout_s
+                self.max_restarts = layout.max_restarts
+                self._check_shape()
+        except ValueError as error:
+            store.set(READY_KEY, json.dumps({"error": f"supervisor: {error}"}))
+            log.error("supervisor: %s; the job stops", error)
+            return False
+        store.set(READY_KEY, json.dumps({"world_size": self.world_size,
+                                         "ranks_per_node": self.ranks_per_node}))
+        return True
+
+    def _attach_tasks(self, store: TCPStore, workers: dict[int, WorkerProcess],
+                      idle: list[tuple[int, WorkerProcess]],
+                      idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]) -> None:
+        """Take the launcher's tasks (``JobLayout``'s order) as they register."""
+        store.set_timeout(timedelta(seconds=self.startup_timeout_s))
+        try:
+            for rank in range(self.world_size):
+                workers[rank] = TaskProcess(store, rank)
+            per_node = self.ranks_per_node or 1
+            for node in range(self.spare_nodes):
+                first = node * per_node
+                idle_nodes.append((node, [(index, TaskProcess(store, self.world_size + index))
+                                          for index in range(first, first + per_node)]))
+            first = self.spare_nodes * per_node
+            idle.extend((index, TaskProcess(store, self.world_size + index))
+                        for index in range(first, first + self.spares))
+        finally:
+            store.set_timeout(timedelta(seconds=max(30.0, self.timeout_s)))
+
+    def _spares_cover(self, failed: Mapping[int, str], idle: list[tuple[int, WorkerProcess]],
+                      idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]) -> bool:
+        """Whether the live spares (whole spare nodes for whole lost nodes, single spares
+        for the rest) can take every failed rank."""
+        live = [spare for spare in idle if spare[1].poll() is None]
+        nodes = [(node, spares) for node, spares in idle_nodes
+                 if all(process.poll() is None for _, process in spares)]
+        by_node = self._spare_nodes_for(failed, nodes)
+        return len(failed) - len(by_node) <= len(live)
+
     @staticmethod
     def _training_finished(store: TCPStore, rank: int, pid: int) -> bool:
         """Whether process ``pid`` of ``rank`` reported the end of its training loop."""
@@ -347,7 +447,7 @@ class Supervisor:
     def _open_rendezvous(self, store: TCPStore, generation: int) -> TCPStore:
         """The store ``generation``'s default process group rendezvous on, its port
         published in the job store (kept open until the job ends)."""
-        rendezvous = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        rendezvous = TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=max(30.0, self.timeout_s)))
         store.set(rendezvous_key(generation), str(rendezvous.port))
         return rendezvous
@@ -420,16 +520,19 @@ class Supervisor:
     def _publish(self, store: TCPStore, workers: dict[int, WorkerProcess],
                  idle: list[tuple[int, WorkerProcess]],
                  idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]) -> None:
-        if self.status_path is None:
-            return
-        status = {"store": f"127.0.0.1:{store.port}", "supervisor": os.getpid(),
+        """The live view, to ``status_path`` and to the store (``status``)."""
+        status = {"store": f"{self.store_host}:{store.port}", "supervisor": os.getpid(),
                   "ranks": {str(rank): process.pid for rank, process in workers.items()},
                   "ranks_per_node": self.ranks_per_node,
                   "idle_spares": [process.pid for _, process in idle],
                   "idle_spare_nodes": {str(node): [process.pid for _, process in spares]
                                        for node, spares in idle_nodes},
                   "replacements": report_of(self.replacements),
-                  "worker_pids": {str(rank): pids for rank, pids in self.pids.items()}}
+                  "worker_pids": {str(rank): pids for rank, pids in self.pids.items()},
+                  "spare_pids": self.spare_pids, "spare_node_pids": self.spare_node_pids}
+        store.set(STATUS_KEY, json.dumps(status))
+        if self.status_path is None:
+            return
         partial = self.status_path.with_suffix(".tmp")
         partial.write_text(json.dumps(status))
         partial.replace(self.status_path)  # readers never see half a file

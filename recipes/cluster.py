@@ -1,0 +1,143 @@
+"""A stand-in for ``srun`` on one machine, to run a several-node job in tests.
+
+::
+
+    python recipes/cluster.py --nodes 3 --ranks-per-node 2 -- recipes/train.py \\
+        parallel.pp=2 parallel.dp=2 parallel.spare_nodes=1 faults=at faults.kind=kill \\
+        'faults.events=[{step: 13, node: 1}]'
+
+It does what a SLURM batch script with ``srun --kill-on-bad-exit=0`` does (see
+docs/guides/cluster.md):
+
+1. starts the supervisor as the job's store host, a process of its own on the "head
+   node" (``python -m lightning_moe_ckpt.supervise --launcher-tasks N*M --ranks-per-node
+   M --port P``), which takes the job's shape (ranks, spare nodes, spares) from task 0;
+2. starts ``--nodes`` x ``--ranks-per-node`` tasks running ``python SCRIPT ARGS``, each with
+   the environment srun gives a task (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_NODEID``,
+   ``SLURM_LOCALID``, ``SLURM_NNODES``, ``SLURM_NTASKS_PER_NODE``, ``SLURMD_NODENAME``, ...)
+   and ``MOE_STORE=127.0.0.1:P``; each node's tasks form a process group of their own, as
+   one machine's processes would;
+3. lets a failed task end alone (the others go on, as with ``--kill-on-bad-exit=0``), and
+   exits with the supervisor's exit code (the job's) once it ended; tasks still running
+   then are ended by their node's process group (SIGTERM, then SIGKILL).
+
+A fault of kind ``kill`` with a ``node`` target makes every rank of that node kill itself
+(``faults.events=[{step: S, node: K}]``), as a machine that dies would take them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+POLL_S = 0.1
+GRACE_S = 30.0  # how long tasks may take to leave once the supervisor ended
+
+
+def _free_port() -> int:
+    """A port free now, for the supervisor's store (the supervisor binds it at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def task_environment(task: int, nodes: int, per_node: int, port: int) -> dict[str, str]:
+    """What srun gives task ``task`` of a ``nodes`` x ``per_node`` step (block layout)."""
+    node = task // per_node
+    return {**os.environ, "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0",
+            "SLURM_JOB_NAME": "cluster", "SLURM_PROCID": str(task),
+            "SLURM_NTASKS": str(nodes * per_node), "SLURM_NNODES": str(nodes),
+            "SLURM_NODEID": str(node), "SLURM_LOCALID": str(task % per_node),
+            "SLURM_NTASKS_PER_NODE": str(per_node),
+            "SLURM_STEP_TASKS_PER_NODE": f"{per_node}(x{nodes})",
+            "SLURMD_NODENAME": f"node{node}", "MOE_STORE": f"127.0.0.1:{port}"}
+
+
+def run(nodes: int, per_node: int, command: Sequence[str], supervisor_args: Sequence[str] = ()
+        ) -> int:
+    """Run ``command`` as ``nodes`` x ``per_node`` tasks beside the supervisor; returns
+    the supervisor's exit code."""
+    port = _free_port()
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "lightning_moe_ckpt.supervise",
+         "--launcher-tasks", str(nodes * per_node), "--ranks-per-node", str(per_node),
+         "--port", str(port), *supervisor_args])
+    tasks: list[subprocess.Popen[bytes]] = []
+    groups: list[int] = []  # each node's process group
+    try:
+        for task in range(nodes * per_node):
+            first = task % per_node == 0
+            process = subprocess.Popen([sys.executable, *command],
+                                       env=task_environment(task, nodes, per_node, port),
+                                       process_group=0 if first else groups[-1])
+            if first:
+                groups.append(process.pid)
+            tasks.append(process)
+        while supervisor.poll() is None:
+            if all(t.poll() is not None for t in tasks):  # nobody left to supervise
+                time.sleep(GRACE_S / 3)
+                if supervisor.poll() is None:
+                    print("cluster: every task ended and the supervisor did not; ending "
+                          f"it (pid {supervisor.pid})", file=sys.stderr)
+                    supervisor.terminate()
+                    supervisor.wait(GRACE_S)
+                    return 1
+            time.sleep(POLL_S)
+        deadline = time.monotonic() + GRACE_S
+        while any(t.poll() is None for t in tasks) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return int(supervisor.returncode)
+    finally:
+        _end(supervisor, tasks, groups)
+
+
+def _end(supervisor: subprocess.Popen[bytes], tasks: Sequence[subprocess.Popen[bytes]],
+         groups: Sequence[int]) -> None:
+    """End what still runs: the supervisor by its pid, each node by its process group."""
+    if supervisor.poll() is None:
+        supervisor.kill()
+        supervisor.wait()
+    for number in (signal.SIGTERM, signal.SIGKILL):
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):  # that node's have all ended
+                os.killpg(group, number)
+        deadline = time.monotonic() + 5.0
+        while any(t.poll() is None for t in tasks) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+    for task in tasks:
+        task.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (module docstring)."""
+    parser = argparse.ArgumentParser(prog="python recipes/cluster.py",
+                                     description="Run a script as srun would on several "
+                                                 "nodes, on this machine, beside the "
+                                                 "supervisor.")
+    parser.add_argument("--nodes", type=int, required=True, help="nodes to stand in for")
+    parser.add_argument("--ranks-per-node", type=int, required=True,
+                        help="tasks per node (srun --ntasks-per-node)")
+    parser.add_argument("--supervisor-arg", action="append", default=[], metavar="ARG",
+                        help="an argument for the supervisor (repeatable), e.g. "
+                             "--supervisor-arg=--status=workers.json")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="-- SCRIPT [ARGS]: what each task runs with python")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.nodes < 1 or args.ranks_per_node < 1:
+        parser.error(f"--nodes={args.nodes} and --ranks-per-node={args.ranks_per_node} must "
+                     "be >= 1")
+    if not command:
+        parser.error("name the script each task runs: -- SCRIPT [ARGS]")
+    return run(args.nodes, args.ranks_per_node, command, args.supervisor_arg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
