@@ -136,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "be >= 1")
     if not command:
         parser.error("name the script each task runs: -- SCRIPT [ARGS]")
+    # A SIGTERM (a timeout, a cancel) ends the run through run()'s clean-up, which ends
+    # the supervisor and every node's processes.
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     return run(args.nodes, args.ranks_per_node, command, args.supervisor_arg)
 
 

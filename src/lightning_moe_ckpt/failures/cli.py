@@ -23,6 +23,15 @@ is 0 once every worker finished its training and exited cleanly. End the script 
 ``torch.distributed.destroy_process_group()``: a worker that leaves with process groups
 alive can abort at interpreter exit, and a worker failing after its training ended is
 reported (exit code 1), not replaced.
+
+On several machines the launcher starts the processes and the supervisor starts none::
+
+    python -m lightning_moe_ckpt.supervise --launcher-tasks 24 --ranks-per-node 8 \
+        --host "$(hostname)" --port 29400 &
+    MOE_STORE=$(hostname):29400 srun --kill-on-bad-exit=0 python train.py ...
+
+It hosts the job's store and hands failed ranks to spare tasks
+(:mod:`~lightning_moe_ckpt.failures.tasks`, docs/guides/cluster.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,99 @@
+"""A launcher's task under the supervisor: its monitor reports how it ended and kills it
+on request; its place in the job comes from the launcher's environment."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.failures.supervisor import Supervisor
+from lightning_moe_ckpt.failures.tasks import (
+    KILLED,
+    JobLayout,
+    LauncherTask,
+    TaskProcess,
+    launcher_task,
+)
+from tests.conftest import REPO, alive
+
+TASK = """
+import os, sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+from lightning_moe_ckpt.failures.tasks import LauncherTask, register, watch_in_parent
+address, task, code = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+watch_in_parent(address, task)
+host, port = address.rsplit(":", 1)
+store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+register(store, LauncherTask(task, 8, 0, 0))
+if code < 0:
+    time.sleep(60)  # until the supervisor has it killed
+os._exit(code)
+"""
+
+
+@pytest.fixture
+def store() -> TCPStore:
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=30))
+
+
+def _start(store: TCPStore, task: int, code: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", TASK, f"127.0.0.1:{store.port}",
+                             str(task), str(code)], cwd=REPO)
+
+
+def _await_end(process: TaskProcess) -> int:
+    deadline = time.monotonic() + 60
+    while (code := process.poll()) is None:
+        assert time.monotonic() < deadline, "the monitor never reported the task gone"
+        time.sleep(0.05)
+    return code
+
+
+def test_the_monitor_reports_the_exit_code_and_exits_as_the_task_did(store: TCPStore) -> None:
+    launched = _start(store, 3, 7)
+    try:
+        process = TaskProcess(store, 3)  # waits for the registration
+        assert process.pid != launched.pid  # the training process is the monitor's child
+        assert _await_end(process) == 7
+        assert launched.wait(timeout=30) == 7  # the launcher sees the task's own code
+        assert not alive(process.pid)
+    finally:
+        launched.kill()
+
+
+def test_a_kill_request_kills_the_task_by_its_pid(store: TCPStore) -> None:
+    launched = _start(store, 5, -1)
+    try:
+        process = TaskProcess(store, 5)
+        assert process.poll() is None and alive(process.pid)
+        process.kill()
+        assert process.wait() == KILLED
+        assert launched.wait(timeout=30) == 128 + 9
+        assert not alive(process.pid)
+    finally:
+        launched.kill()
+
+
+def test_a_task_reads_its_place_from_slurm() -> None:
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_NODEID": "2",
+           "SLURM_LOCALID": "1"}
+    assert launcher_task(env) == LauncherTask(5, 6, 2, 1)
+    assert launcher_task({}) is None
+    with pytest.raises(ConfigError, match="SLURM_NODEID='x'"):
+        launcher_task({**env, "SLURM_NODEID": "x"})
+
+
+def test_a_shape_that_does_not_fit_the_tasks_is_refused() -> None:
+    assert JobLayout(4, spares=1, spare_nodes=1).tasks(ranks_per_node=2) == 7
+    with pytest.raises(ValueError, match="started 6 tasks; the job needs 7"):
+        Supervisor((), 4, spares=1, spare_nodes=1, ranks_per_node=2, launcher_tasks=6)
+    with pytest.raises(ValueError, match="no command"):
+        Supervisor(["python", "train.py"], 4, launcher_tasks=4)
