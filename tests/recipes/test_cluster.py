@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 from lightning_moe_ckpt.failures.supervisor import EXIT_NO_SPARE
-from tests.bounded import RUN_TIMEOUT_S
+from tests.bounded import run_bounded
 from tests.conftest import REPO, alive
 from tests.recipes.test_train_recipe import TRAIN, assert_states_equal, run_recipe
 
@@ -33,19 +32,8 @@ def run_cluster(out: Path, nodes: int, *overrides: str) -> subprocess.CompletedP
     every node's process group), then its own group is killed."""
     command = [sys.executable, str(CLUSTER), "--nodes", str(nodes), "--ranks-per-node", "2",
                "--", str(TRAIN), f"out_dir={out}", "trainer.progress_bar=false", *overrides]
-    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "HYDRA_FULL_ERROR": "1"},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.terminate()
-        try:
-            stdout, stderr = process.communicate(timeout=30)
-        finally:
-            os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"{command} overran {RUN_TIMEOUT_S:g} s:\n{stderr[-4000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return run_bounded(command, env={**os.environ, "HYDRA_FULL_ERROR": "1"},
+                       terminate_first=True)
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.bounded import run_bounded
 from tests.conftest import REPO, alive
 from tests.forked import run_python
 
@@ -113,3 +115,35 @@ def test_a_rank_killed_mid_window_is_replaced_and_every_shard_recovers_bitwise(
         assert sorted(got["losses"]) == sorted(steps)
         for step in steps:
             assert torch.equal(got["losses"][step], want["losses"][step]), (rank, step)
+
+
+@pytest.mark.distributed
+def test_under_a_launcher_a_spare_node_takes_the_killed_rank_and_every_shard_recovers_bitwise(
+        tmp_path: Path, unkilled: list[dict[str, Any]]) -> None:
+    """The same module on two nodes of one rank and a spare node, started as ``srun``
+    starts tasks (``recipes/cluster.py``) beside the supervisor: rank 1 SIGKILLs itself
+    at step 7, the spare node's task takes its rank and recovers its shards from rank 0's
+    replicas, and both end bitwise equal to the unkilled run."""
+    out = tmp_path / "cluster"
+    out.mkdir()
+    supervisor = ["--workers=2", "--spare-nodes=1", f"--timeout-s={SUPERVISED_TIMEOUT_S}",
+                  f"--status={out / 'workers.json'}"]
+    done = run_bounded(
+        [sys.executable, str(REPO / "recipes" / "cluster.py"), "--nodes", "3",
+         "--ranks-per-node", "1", *(f"--supervisor-arg={arg}" for arg in supervisor), "--",
+         "-m", "tests.sharded.fsdp_workload", str(out), f"{FAIL_AT}:kill"],
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        timeout_s=300, terminate_first=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    view = json.loads((out / "workers.json").read_text())
+    (replacement,) = view["replacements"]
+    assert replacement["rank"] == 1 and replacement["cause"] == "exit -9"
+    assert replacement["spare_node"] == 0 and [replacement["new_pid"]] == view[
+        "spare_node_pids"][0]
+    killed = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert killed[1]["pid"] == replacement["new_pid"]
+    assert view["worker_pids"]["0"] == [killed[0]["pid"]]  # the survivor kept its process
+    for rank in range(2):
+        _assert_same_shards(killed[rank], unkilled[rank], rank)
+        (recovery,) = killed[rank]["real_recoveries"]
+        assert recovery["failed_step"] == FAIL_AT and recovery["failed_ranks"] == [1]
