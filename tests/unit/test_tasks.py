@@ -3,8 +3,10 @@ on request; its place in the job comes from the launcher's environment."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -12,7 +14,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.failures.supervisor import Supervisor
+from lightning_moe_ckpt.failures.supervisor import EXIT_CONFIG, Supervisor
 from lightning_moe_ckpt.failures.tasks import (
     KILLED,
     JobLayout,
@@ -28,10 +30,11 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 from lightning_moe_ckpt.failures.tasks import LauncherTask, register, watch_in_parent
 address, task, code = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+node = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 watch_in_parent(address, task)
 host, port = address.rsplit(":", 1)
 store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
-register(store, LauncherTask(task, 8, 0, 0))
+register(store, LauncherTask(task, 8, node, 0))
 if code < 0:
     time.sleep(60)  # until the supervisor has it killed
 os._exit(code)
@@ -44,9 +47,11 @@ def store() -> TCPStore:
                     timeout=timedelta(seconds=30))
 
 
-def _start(store: TCPStore, task: int, code: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", TASK, f"127.0.0.1:{store.port}",
-                             str(task), str(code)], cwd=REPO)
+def _start(store: TCPStore | int, task: int, code: int, node: int = 0
+           ) -> subprocess.Popen[bytes]:
+    port = store if isinstance(store, int) else store.port
+    return subprocess.Popen([sys.executable, "-c", TASK, f"127.0.0.1:{port}", str(task),
+                             str(code), str(node)], cwd=REPO)
 
 
 def _await_end(process: TaskProcess) -> int:
@@ -97,3 +102,27 @@ def test_a_shape_that_does_not_fit_the_tasks_is_refused() -> None:
         Supervisor((), 4, spares=1, spare_nodes=1, ranks_per_node=2, launcher_tasks=6)
     with pytest.raises(ValueError, match="no command"):
         Supervisor(["python", "train.py"], 4, launcher_tasks=4)
+
+
+def test_tasks_not_placed_in_blocks_stop_the_job_naming_them(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two nodes of one rank, but both tasks report node 0 (as a cyclic distribution
+    of a bigger job would place them): the supervisor refuses and stops them."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    supervisor = Supervisor((), 2, timeout_s=30, ranks_per_node=1, launcher_tasks=2,
+                            store_port=port, startup_timeout_s=60)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(supervisor.run()))
+    thread.start()
+    time.sleep(0.5)  # the store is up
+    launched = [_start(port, task, -1, node=0) for task in range(2)]
+    try:
+        thread.join(timeout=120)
+        assert result == [EXIT_CONFIG]
+        assert "task 1 on node 0" in caplog.text and "--distribution=block" in caplog.text
+        assert [p.wait(timeout=30) for p in launched] == [128 + 9, 128 + 9]  # stopped
+    finally:
+        for process in launched:
+            process.kill()

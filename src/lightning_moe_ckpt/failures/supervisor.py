@@ -241,6 +241,11 @@ class Supervisor:
                 self._start_all(base, rendezvous[0].port, workers, idle, idle_nodes)
             else:
                 self._attach_tasks(store, workers, idle, idle_nodes)
+                misplaced = self._misplaced_tasks(workers, idle, idle_nodes)
+                if misplaced:
+                    self._stop(_every_process(workers, idle, idle_nodes))
+                    log.error("supervisor: %s; the job stops", misplaced)
+                    return EXIT_CONFIG
             self.pids = {rank: [process.pid] for rank, process in workers.items()}
             self.spare_pids = [process.pid for _, process in idle]
             self.spare_node_pids = [[p.pid for _, p in spares] for _, spares in idle_nodes]
@@ -415,6 +420,24 @@ class Supervisor:
                         for index in range(first, first + self.spares))
         finally:
             store.set_timeout(timedelta(seconds=max(30.0, self.timeout_s)))
+
+    def _misplaced_tasks(self, workers: dict[int, WorkerProcess],
+                         idle: list[tuple[int, WorkerProcess]],
+                         idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]
+                         ) -> str | None:
+        """Why the tasks' nodes are not the block layout the job assumes (task ``t`` on
+        node ``t // ranks_per_node``), or None when they are."""
+        per_node = self.ranks_per_node or 1
+        tasks = {**workers,
+                 **{self.world_size + index: p for index, p in idle},
+                 **{self.world_size + index: p for _, node in idle_nodes for index, p in node}}
+        wrong = [f"task {task} on node {p.node}" for task, p in sorted(tasks.items())
+                 if isinstance(p, TaskProcess) and p.node != task // per_node]
+        if not wrong:
+            return None
+        return (f"{', '.join(wrong)}: with {per_node} ranks per node task t must run on node "
+                f"t // {per_node} (srun --distribution=block, the default), so that a node's "
+                "ranks, and a spare node's tasks, are the node's own")
 
     def _spares_cover(self, failed: Mapping[int, str], idle: list[tuple[int, WorkerProcess]],
                       idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]) -> bool:
