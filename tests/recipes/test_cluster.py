@@ -22,8 +22,9 @@ from tests.recipes.test_train_recipe import TRAIN, assert_states_equal, run_reci
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 CLUSTER = REPO / "recipes" / "cluster.py"
-PP2_DP2 = ("parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2",
-           "trainer.max_steps=16", "checkpoint.window=3", "recovery.timeout_s=60")
+LAYOUT = ("parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2",
+          "trainer.max_steps=16", "checkpoint.window=3")
+PP2_DP2 = (*LAYOUT, "recovery.timeout_s=60")
 
 
 def run_cluster(out: Path, nodes: int, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -44,13 +45,13 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _replaced(out: Path, lost: list[int]) -> dict[str, Any]:
-    """Every rank of ``lost`` was SIGKILLed and taken over by a spare task; every other
-    rank kept its process; no process of the job is left."""
+def _replaced(out: Path, lost: list[int], cause: str = "exit -9") -> dict[str, Any]:
+    """Every rank of ``lost`` failed of ``cause`` and was taken over by a spare task;
+    every other rank kept its process; no process of the job is left."""
     metrics: dict[str, Any] = json.loads((out / "metrics.json").read_text())
     assert metrics["launcher_tasks"] is True
     replacements = sorted(metrics["replacements"], key=lambda r: r["rank"])
-    assert [(r["rank"], r["cause"]) for r in replacements] == [(r, "exit -9") for r in lost]
+    assert [(r["rank"], r["cause"]) for r in replacements] == [(r, cause) for r in lost]
     assert all(r["warm_spare"] and r["generation"] == 1 for r in replacements)
     pids = metrics["worker_pids"]
     for rank in range(4):
@@ -95,6 +96,20 @@ def test_a_lost_rank_is_taken_over_by_a_spare_task_bitwise(
     metrics = _replaced(tmp_path, [1])
     (replacement,) = metrics["replacements"]
     assert replacement["new_pid"] in metrics["spare_pids"]
+    assert_states_equal(golden / "final_state.pt", tmp_path / "final_state.pt")
+
+
+def test_a_hung_node_is_killed_by_its_monitors_and_taken_over_bitwise(
+        tmp_path: Path, golden: Path) -> None:
+    """Both ranks of node 1 stop making progress at step 7 (their processes live on):
+    their heartbeats stop, after the hang timeout the supervisor has their monitors
+    kill them, and the spare node takes them over."""
+    result = run_cluster(tmp_path, 3, *LAYOUT, "recovery.timeout_s=30",
+                         "parallel.spare_nodes=1", "faults=at", "faults.kind=hang",
+                         "faults.events=[{step: 7, node: 1}]")
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = _replaced(tmp_path, [2, 3], cause="hang")
+    assert {r["spare_node"] for r in metrics["replacements"]} == {0}
     assert_states_equal(golden / "final_state.pt", tmp_path / "final_state.pt")
 
 

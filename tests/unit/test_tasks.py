@@ -126,3 +126,15 @@ def test_tasks_not_placed_in_blocks_stop_the_job_naming_them(
     finally:
         for process in launched:
             process.kill()
+
+
+def test_a_task_whose_monitor_is_gone_counts_as_killed_after_a_wait(
+        store: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its machine vanished with its monitor: nothing reports it gone, and a kill request
+    goes unanswered; ``wait`` gives up and calls it killed."""
+    monkeypatch.setattr("lightning_moe_ckpt.failures.tasks._WAIT_S", 0.5)
+    store.set("task/9", '{"pid": 999999999, "node": 4, "host": "lost"}')
+    process = TaskProcess(store, 9)
+    process.kill()
+    assert process.poll() is None
+    assert process.wait() == KILLED and process.poll() == KILLED
