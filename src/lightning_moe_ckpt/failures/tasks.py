@@ -132,8 +132,12 @@ def watch_in_parent(address: str, task: int) -> None:
         return
     code = 1
     try:  # the monitor runs nothing more of the script: it leaves by os._exit
+        def pass_on(number: int, frame: object) -> None:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(child, number)
+
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda number, frame: os.kill(child, number))
+            signal.signal(signum, pass_on)
         store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
         status = None
         while status is None:
