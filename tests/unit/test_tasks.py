@@ -138,3 +138,11 @@ def test_a_task_whose_monitor_is_gone_counts_as_killed_after_a_wait(
     process.kill()
     assert process.poll() is None
     assert process.wait() == KILLED and process.poll() == KILLED
+
+
+def test_without_a_shape_from_task_0_the_supervisor_says_what_to_check(
+        caplog: pytest.LogCaptureFixture) -> None:
+    supervisor = Supervisor((), 0, launcher_tasks=2, startup_timeout_s=0.5)
+    assert supervisor.run() == 1
+    assert "task 0 sent no job shape within 0.5 s" in caplog.text
+    assert "MOE_STORE=127.0.0.1:" in caplog.text and "--workers" in caplog.text

@@ -41,6 +41,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_moe_ckpt.core.nodes import launcher_node_size
 from lightning_moe_ckpt.failures.supervisor import Supervisor, report_of
 
 
@@ -66,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="warm spare processes started with the job (default 0)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="ranks each node runs (node n: ranks n*R..n*R+R-1), for "
-                             "replica placement and node faults; default: one node")
+                             "replica placement and node faults; default: one node (with "
+                             "--launcher-tasks: SLURM's tasks per node)")
     parser.add_argument("--spare-nodes", type=int, default=0,
                         help="spare nodes started with the job, --ranks-per-node warm spares "
                              "each; one takes over a node whose ranks all failed (default 0)")
@@ -134,7 +136,8 @@ def _host_launcher_tasks(parser: argparse.ArgumentParser, args: argparse.Namespa
     try:
         supervisor = Supervisor((), args.workers or 0, args.timeout_s, args.max_restarts,
                                 args.spares, status_path=args.status,
-                                ranks_per_node=args.ranks_per_node,
+                                ranks_per_node=(args.ranks_per_node
+                                                or launcher_node_size()),
                                 spare_nodes=args.spare_nodes,
                                 launcher_tasks=args.launcher_tasks, store_host=args.host,
                                 store_port=args.port)

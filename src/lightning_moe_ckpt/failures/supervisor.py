@@ -219,8 +219,10 @@ class Supervisor:
         store = TCPStore(self.store_host, self.store_port, is_master=True,
                          wait_for_workers=False,
                          timeout=timedelta(seconds=max(30.0, self.timeout_s)))
-        if self.launcher_tasks is not None and not self._shape_from_tasks(store):
-            return EXIT_CONFIG
+        if self.launcher_tasks is not None:
+            answered = self._shape_from_tasks(store)
+            if answered is not None:
+                return answered
         store.set(TIMEOUT_KEY, repr(float(self.timeout_s)))
         rendezvous = [self._open_rendezvous(store, 0)]  # one store per generation
         store.set("generation", "0")
@@ -382,13 +384,22 @@ class Supervisor:
                 (index, self._launch({**spare_env, ENV_SPARE: str(index)}))
                 for index in range(first, first + per_node)]))
 
-    def _shape_from_tasks(self, store: TCPStore) -> bool:
+    def _shape_from_tasks(self, store: TCPStore) -> int | None:
         """With a launcher's tasks: take the job's shape from task 0 unless given, check it
-        against the tasks started and answer the tasks (``job/ready``); False (the tasks
-        told why) when it does not fit."""
+        against the tasks started and answer the tasks (``job/ready``); the job's exit code
+        when it cannot start (``EXIT_CONFIG``: the shape does not fit, the tasks told
+        why; 1: no shape came), else None."""
+        if self.world_size == 0:
+            try:
+                store.wait([LAYOUT_KEY], timedelta(seconds=self.startup_timeout_s))
+            except RuntimeError:  # torch's store timeout
+                log.error("supervisor: task 0 sent no job shape within %g s: were the tasks "
+                          "started with MOE_STORE=%s:%d, and does their script join the job "
+                          "(SparseCheckpointing, or the recipe)? Or give --workers",
+                          self.startup_timeout_s, self.store_host, store.port)
+                return 1
         try:
             if self.world_size == 0:
-                store.wait([LAYOUT_KEY], timedelta(seconds=self.startup_timeout_s))
                 layout = JobLayout(**json.loads(store.get(LAYOUT_KEY)))
                 self.world_size, self.spares = layout.world_size, layout.spares
                 self.spare_nodes, self.timeout_s = layout.spare_nodes, layout.timeout_s
@@ -397,10 +408,10 @@ class Supervisor:
         except ValueError as error:
             store.set(READY_KEY, json.dumps({"error": f"supervisor: {error}"}))
             log.error("supervisor: %s; the job stops", error)
-            return False
+            return EXIT_CONFIG
         store.set(READY_KEY, json.dumps({"world_size": self.world_size,
                                          "ranks_per_node": self.ranks_per_node}))
-        return True
+        return None
 
     def _attach_tasks(self, store: TCPStore, workers: dict[int, WorkerProcess],
                       idle: list[tuple[int, WorkerProcess]],
@@ -426,8 +437,10 @@ class Supervisor:
                          idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]
                          ) -> str | None:
         """Why the tasks' nodes are not the block layout the job assumes (task ``t`` on
-        node ``t // ranks_per_node``), or None when they are."""
-        per_node = self.ranks_per_node or 1
+        node ``t // ranks_per_node``), or None when they are (or no node size is known)."""
+        per_node = self.ranks_per_node
+        if per_node is None:
+            return None
         tasks = {**workers,
                  **{self.world_size + index: p for index, p in idle},
                  **{self.world_size + index: p for _, node in idle_nodes for index, p in node}}
