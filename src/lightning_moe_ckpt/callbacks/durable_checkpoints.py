@@ -1,10 +1,11 @@
-"""The durable tier's writing side: a dense Lightning checkpoint every N-th persisted window.
+"""The durable tier's writing side: a dense Lightning checkpoint every N-th window.
 
 Sparse snapshots live in host memory and its replicas; a failure that takes every copy of
 some piece (or every rank at once) needs a checkpoint that outlives host memory.
 :class:`DurableCheckpoints` writes one through the Trainer's checkpoint IO
-(asynchronously with ``AsyncCheckpointIO``) at the step a window persisted, every
-``checkpoint.durable_every``-th such window, and keeps the newest
+(asynchronously with ``AsyncCheckpointIO``) at the step after a window's last snapshot was
+taken, every ``checkpoint.durable_every``-th window (the same steps on every rank: writing
+is collective), and keeps the newest
 ``checkpoint.durable_keep``. Reading them back after a failure is
 :mod:`~lightning_moe_ckpt.recovery.durable`.
 """
@@ -19,10 +20,10 @@ __all__ = ["DurableCheckpoints"]
 
 
 class DurableCheckpoints:
-    """Which persisted windows get a durable checkpoint, and the files written so far.
+    """Which windows get a durable checkpoint, and the files written so far.
 
     Args:
-        every: Write a durable checkpoint every this many persisted windows; ``None``: no
+        every: Write a durable checkpoint every this many windows; ``None``: no
             durable checkpoints.
         directory: Where durable checkpoints go; required when ``every`` is set.
         keep: Newest durable checkpoints kept; older ones are deleted (2 or more keeps a
@@ -45,23 +46,23 @@ class DurableCheckpoints:
         self.directory = directory
         self.keep = keep
         self.saved: list[str] = []  # paths, oldest first
-        self._persisted_seen: int | None = None
-        self._persisted_count = 0
+        self._window_seen: int | None = None
+        self._window_count = 0
         self._first_step = 0  # windows starting before it are the initial-state snapshot
 
     def start_at(self, step: int) -> None:
         """Training (re)starts at ``step``: windows before it do not count."""
         self._first_step = step
 
-    def due(self, persisted_start: int | None) -> bool:
-        """Whether the window persisted at ``persisted_start`` is new since the last call
-        and the ``every``-th."""
-        if (self.every is None or persisted_start is None
-                or persisted_start == self._persisted_seen or persisted_start < self._first_step):
+    def due(self, window_start: int | None) -> bool:
+        """Whether the window taken at ``window_start`` is new since the last call and the
+        ``every``-th."""
+        if (self.every is None or window_start is None
+                or window_start == self._window_seen or window_start < self._first_step):
             return False
-        self._persisted_seen = persisted_start
-        self._persisted_count += 1
-        return self._persisted_count % self.every == 0
+        self._window_seen = window_start
+        self._window_count += 1
+        return self._window_count % self.every == 0
 
     def write(self, trainer: L.Trainer) -> None:
         """Save the live state at this step (the dense checkpoint that converting the

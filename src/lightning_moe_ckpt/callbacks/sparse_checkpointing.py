@@ -109,7 +109,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         warmup_iterations: Iterations profiled (iteration time, device-to-host bandwidth)
             before the first window is planned.
         durable_every: Write a dense Lightning checkpoint into ``durable_dir`` every N-th
-            persisted window (Trainer only); ``None``: no durable checkpoints.
+            window (Trainer only); ``None``: no durable checkpoints.
         durable_dir: Where durable checkpoints go; required with ``durable_every``.
         durable_keep: Newest durable checkpoints kept; older ones are deleted.
         upstream_logging: Log pipeline-boundary tensors so that only failed stages roll
@@ -167,6 +167,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
                 f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
                 f"{', '.join(map(repr, SAME_NODE_REPLICAS))}")
         self.durable = DurableCheckpoints(durable_every, durable_dir, durable_keep)
+        self._window_taken_before: int | None = None  # as of the previous batch's end
         self.policy = policy
         self.replicas = replicas
         self.same_node_replicas = same_node_replicas
@@ -437,9 +438,12 @@ class SparseCheckpointing(L.Callback, StepHooks):
             values = self.step_values()
             if values:
                 pl_module.log_dict(values, rank_zero_only=True)
-        if self.coordinator is not None and self.durable.due(
-                self.coordinator.store.persisted_start):
-            self.durable.write(trainer)
+        if self.coordinator is not None:
+            # A durable checkpoint is a collective (the Trainer's barriers): every rank
+            # decides at the same step, the one after a window's last snapshot was issued.
+            if self.durable.due(self._window_taken_before):
+                self.durable.write(trainer)
+            self._window_taken_before = self.coordinator.newest_taken_window
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

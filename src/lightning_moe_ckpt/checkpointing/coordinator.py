@@ -121,6 +121,10 @@ class CheckpointCoordinator(StepHooks):
         # Called when every rank starts its warm-up profiling over (restart_profiling).
         self.profiling_restarts: list[Callable[[], None]] = []
         self._snapshot_taken = False
+        # The start of the newest window whose every snapshot this rank issued: the same
+        # window at the same step on every rank (they plan windows together), unlike a
+        # window's persistence, which waits on copies, checksums and replica peers.
+        self.newest_taken_window: int | None = None
         self._specs_measured = False
         self.paused_forward_backward = 0  # set by a localized recovery this rank sat out
         self._replication_error_reported: BaseException | None = None  # warned of once
@@ -204,6 +208,8 @@ class CheckpointCoordinator(StepHooks):
                      else replicator.placement)
         snapshot = self.capture.issue(plan, self._metadata(plan, result), placement)
         self.store.add(snapshot)
+        if plan.window_index == plan.window - 1:
+            self.newest_taken_window = plan.window_start
         self.measured.snapshot_taken(plan)
         if self.replicator is not None:
             self.replicator.submit(snapshot)
