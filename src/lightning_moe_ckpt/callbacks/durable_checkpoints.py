@@ -55,10 +55,10 @@ class DurableCheckpoints:
         self._first_step = step
 
     def due(self, window_start: int | None) -> bool:
-        """Whether the window taken at ``window_start`` is new since the last call and the
-        ``every``-th."""
-        if (self.every is None or window_start is None
-                or window_start == self._window_seen or window_start < self._first_step):
+        """Whether the window taken at ``window_start`` is newer than any seen before and
+        the ``every``-th (a window taken again in a replay does not count twice)."""
+        if (self.every is None or window_start is None or window_start < self._first_step
+                or (self._window_seen is not None and window_start <= self._window_seen)):
             return False
         self._window_seen = window_start
         self._window_count += 1
