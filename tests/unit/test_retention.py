@@ -133,3 +133,14 @@ def test_durable_keep_must_be_a_positive_integer(keep: object) -> None:
     with pytest.raises(ConfigError, match=rf"checkpoint\.durable_keep={keep!r}"):
         SparseCheckpointing("moevement", durable_every=1, durable_dir="d",
                             durable_keep=keep)  # type: ignore[arg-type]
+
+
+def test_the_durable_cadence_counts_each_window_once_in_order() -> None:
+    """Every 2nd window taken: a window seen again (the same step's check, or a replay
+    that took an earlier window again) does not count; windows before the start don't."""
+    from lightning_moe_ckpt.callbacks.durable_checkpoints import DurableCheckpoints
+
+    durable = DurableCheckpoints(2, "d", 2)
+    durable.start_at(3)
+    assert [durable.due(s) for s in (0, None, 3, 3, 6, 3, 6, 9, 12)] == [
+        False, False, False, False, True, False, False, False, True]
