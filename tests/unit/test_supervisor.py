@@ -40,7 +40,14 @@ WORKER = textwrap.dedent("""
     store.add(heartbeat_key(rank, os.getpid()), 1)
     print(f"worker rank={rank} replaces={os.environ.get('MOE_REPLACES')} "
           f"parent={os.getppid()}", flush=True)
-    if sys.argv[1].startswith("node") and "MOE_REPLACES" not in os.environ:
+    if sys.argv[1] == "node_hang" and "MOE_REPLACES" not in os.environ:
+        # node 1 stalls: rank 3 at once, rank 2 two seconds later (it beats until then)
+        if rank in (2, 3):
+            for _ in range(2 if rank == 2 else 0):
+                time.sleep(1.0)
+                store.add(heartbeat_key(rank, os.getpid()), 1)
+            time.sleep(600)
+    elif sys.argv[1].startswith("node") and "MOE_REPLACES" not in os.environ:
         # node 1 (ranks 2, 3) is lost; its processes are seen to die one by one
         if rank == 2 or (rank == 3 and sys.argv[1] == "node"):
             time.sleep(0.3 * (rank - 2))
@@ -394,3 +401,18 @@ def test_nodes_must_divide_the_world() -> None:
     with pytest.raises(ValueError, match="spare_nodes=1 must be >= 0, and needs "
                                          "ranks_per_node"):
         Supervisor(["true"], 4, spare_nodes=1)
+
+
+def test_a_hung_node_is_taken_over_whole_though_its_ranks_stalled_apart(
+        worker_script: Path) -> None:
+    """Node 1's ranks stop beating two seconds apart: when rank 3 is found hung, rank 2,
+    still for all but a few seconds of the timeout, is taken as hung with it, so the
+    spare node takes the whole node in one generation."""
+    env = {"PYTHONPATH": os.pathsep.join(sys.path)}
+    supervisor = Supervisor([sys.executable, str(worker_script), "node_hang"], 4, 6.0, 3,
+                            env=env, fork_workers=True, preload=(PRELOAD,),
+                            ranks_per_node=2, spare_nodes=1)
+    assert supervisor.run() == 0
+    replacements = sorted(supervisor.replacements, key=lambda r: r.rank)
+    assert [(r.rank, r.cause, r.spare_node, r.generation) for r in replacements] == [
+        (2, "hang", 0, 1), (3, "hang", 0, 1)]

@@ -69,6 +69,9 @@ POLL_S = 0.05
 # How long the other ranks of a node one rank of which failed are watched for failing too
 # (with ranks_per_node): a lost machine's processes are seen to exit one by one.
 NODE_LOSS_S = 1.0
+# With a rank of a node hung: how much sooner than the hang timeout its node's other
+# ranks count as hung with it (the ranks of a stalled machine stop beating a moment apart).
+NODE_HANG_SLACK_S = 5.0
 # A worker's exit code for "no recovery can succeed" (nothing left to recover from): the
 # supervisor stops the job instead of replacing the worker again.
 EXIT_UNRECOVERABLE = 86
@@ -286,7 +289,7 @@ class Supervisor:
                 if not failed:
                     continue
                 if self.ranks_per_node is not None:  # one lost machine, one recovery
-                    self._await_node_losses(workers, done, failed)
+                    self._await_node_losses(workers, done, failed, store, beats)
                 hopeless = sorted(r for r, why in failed.items()
                                   if why == f"exit {EXIT_UNRECOVERABLE}")
                 if hopeless:
@@ -503,7 +506,9 @@ class Supervisor:
         return subprocess.Popen(list(self.command), env=env)
 
     def _hung(self, store: TCPStore, rank: int, pid: int,
-              beats: dict[int, tuple[int, float]]) -> bool:
+              beats: dict[int, tuple[int, float]], slack_s: float = 0.0) -> bool:
+        """Whether ``rank``'s heartbeat has been still for the hang timeout (less
+        ``slack_s``)."""
         if self._training_finished(store, rank, pid):
             return False  # its training is over: no more beats are due
         count = int(store.add(heartbeat_key(rank, pid), 0))
@@ -513,16 +518,20 @@ class Supervisor:
             beats[rank] = (count, now)
             return False
         # Before its first beat a worker is still starting (imports, data): not hung yet.
-        return count > 0 and now - since > self.timeout_s
+        return count > 0 and now - since > self.timeout_s - slack_s
 
     def _await_node_losses(self, workers: dict[int, WorkerProcess], done: set[int],
-                           failed: dict[int, str]) -> None:
+                           failed: dict[int, str], store: TCPStore,
+                           beats: dict[int, tuple[int, float]]) -> None:
         """Wait up to ``NODE_LOSS_S`` for the other ranks of every node a failure struck,
         adding those that fail to ``failed``: the processes of a lost machine are seen to
-        exit one by one; so they open one generation (one recovery), and a spare node,
-        which takes over only a node whose ranks all failed, can take it."""
+        exit one by one, and the ranks of a hung machine stop beating a moment apart
+        (a peer still for all but ``NODE_HANG_SLACK_S`` of the hang timeout counts as
+        hung with it, and is killed). So they open one generation (one recovery), and a
+        spare node, which takes over only a node whose ranks all failed, can take it."""
         per_node = self.ranks_per_node
         assert per_node is not None
+        hung_node = "hang" in failed.values()
         deadline = time.monotonic() + NODE_LOSS_S
         while True:
             waiting = [rank for node in {r // per_node for r in failed}
@@ -531,9 +540,15 @@ class Supervisor:
             if not waiting or time.monotonic() > deadline:
                 return
             for rank in waiting:
-                code = workers[rank].poll()
+                process = workers[rank]
+                code = process.poll()
                 if code is not None and code != 0:
                     failed[rank] = f"exit {code}"
+                elif code is None and hung_node and self._hung(
+                        store, rank, process.pid, beats, slack_s=NODE_HANG_SLACK_S):
+                    process.kill()
+                    process.wait()
+                    failed[rank] = "hang"
             time.sleep(POLL_S)
 
     def _spare_nodes_for(self, failed: Mapping[int, str],
