@@ -54,7 +54,8 @@ def measure_profile(settings: RunSettings, hardware: str, useful_s: float, path:
 def sim_plan(settings: RunSettings) -> dict[str, int]:
     """The run's layout and batch as a simulator plan (``sim.plans.<model>``)."""
     plan = settings.layout
-    return {"pp": plan.pp, "dp": plan.dp, "ep": plan.ep, "global_batch": settings.global_batch,
+    return {"pp": plan.pp, "dp": plan.dp * plan.dp_shard, "ep": plan.ep,
+            "global_batch": settings.global_batch,
             "micro_batch": settings.global_batch // plan.microbatches,
             "seq_len": settings.data.seq_len}
 

@@ -154,7 +154,7 @@ def _launch_settings(settings: RunSettings) -> dict[str, Any]:
 def _strategy_args(settings: RunSettings) -> dict[str, Any]:
     plan = settings.layout
     args: dict[str, Any] = {"pp": plan.pp, "dp": plan.dp, "ep": plan.ep,
-                            "schedule": plan.schedule,
+                            "dp_shard": plan.dp_shard, "schedule": plan.schedule,
                             "process_group_backend": settings.hardware.backend,
                             "recovery_timeout_s": settings.recovery.timeout_s}
     return args

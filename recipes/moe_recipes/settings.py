@@ -33,8 +33,8 @@ DATA_SOURCES = ("stdlib", "textfile")
 COMMON_CHECKPOINT_KEYS = ("checksum_threads", "durable_dir", "durable_every", "durable_keep",
                           "helper_nice", "paired_blocks", "replicas", "same_node_replicas",
                           "upstream_logging", "warmup_iterations")
-PARALLEL_KEYS = ("dp", "ep", "microbatches", "pp", "ranks_per_node", "schedule", "spare_nodes",
-                 "spares")
+PARALLEL_KEYS = ("dp", "dp_shard", "ep", "microbatches", "pp", "ranks_per_node", "schedule",
+                 "spare_nodes", "spares")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
                 "seed", "val_batches", "val_every")
 
@@ -197,7 +197,7 @@ def _nodes(parallel: Mapping[str, Any], world_size: int) -> tuple[int | None, in
         require(isinstance(ranks_per_node, int) and not isinstance(ranks_per_node, bool)
                 and ranks_per_node >= 1 and world_size % ranks_per_node == 0,
                 f"{fmt('parallel.ranks_per_node', ranks_per_node)} must be an integer >= 1 "
-                f"that divides the world size {world_size} (pp x dp x ep)")
+                f"that divides the world size {world_size} (pp x dp x dp_shard x ep)")
     spare_nodes = parallel.get("spare_nodes", 0)
     require(isinstance(spare_nodes, int) and not isinstance(spare_nodes, bool)
             and spare_nodes >= 0,
@@ -251,7 +251,7 @@ def _check_hardware(hardware: HardwareSettings, world_size: int) -> None:
                 f"{fmt(f'hardware.{key}', value)} must be an integer >= 1")
     require(world_size % hardware.nodes == 0,
             f"{fmt('hardware.nodes', hardware.nodes)} does not divide the world size "
-            f"{world_size} (parallel.pp x dp x ep)")
+            f"{world_size} (parallel.pp x dp x dp_shard x ep)")
 
 
 def _check_optim(optim: OptimSettings) -> None:
@@ -299,7 +299,8 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
     layout = ParallelPlan.validate(
         pp=parallel.get("pp", 1), dp=parallel.get("dp", 1), ep=parallel.get("ep", 1),
         microbatches=parallel.get("microbatches", 1),
-        schedule=str(parallel.get("schedule", "1f1b")), model=model)
+        schedule=str(parallel.get("schedule", "1f1b")), model=model,
+        dp_shard=parallel.get("dp_shard", 1))
     spares = parallel.get("spares", 0)
     require(isinstance(spares, int) and not isinstance(spares, bool) and spares >= 0,
             f"{fmt('parallel.spares', spares)} must be an integer >= 0")

@@ -106,10 +106,11 @@ def measure_compute(settings: RunSettings, warmup: int = 2, repeats: int = 5,
     require(isinstance(warmup, int) and warmup >= 0, f"{fmt('warmup', warmup)} must be >= 0")
     require(threads is None or threads >= 1, f"{fmt('threads', threads)} must be >= 1")
     plan, device = settings.layout, torch.device(device)
-    sequences = settings.global_batch // plan.microbatches // (plan.dp * plan.ep)
+    sequences = settings.global_batch // plan.microbatches // plan.data_shards
     require(sequences >= 1,
             f"trainer.global_batch={settings.global_batch} gives no whole sequence per rank "
-            f"with parallel.microbatches={plan.microbatches}, dp*ep={plan.dp * plan.ep}")
+            f"with parallel.microbatches={plan.microbatches}, "
+            f"dp*dp_shard*ep={plan.data_shards}")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // plan.world_size) if device.type == "cpu" \
             else torch.get_num_threads()

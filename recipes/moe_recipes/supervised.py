@@ -87,7 +87,7 @@ def check_supervisable(settings: RunSettings) -> None:
            f"faults.kind={settings.faults.get('kind')!r}, parallel.spares={settings.spares}")
     require(settings.layout.world_size > 1,
             f"{why}: real failures need several worker processes (a layout with "
-            "parallel.pp x dp x ep > 1)")
+            "parallel.pp x dp x dp_shard x ep > 1)")
     require(settings.checkpoint.policy not in ("none", *COMPARISON_POLICIES),
             f"{why}: real failures are recovered from sparse checkpoints "
             f"(checkpoint={settings.checkpoint.policy})")

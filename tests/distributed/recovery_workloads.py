@@ -12,11 +12,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
 from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
-from lightning_moe_ckpt.core.layout import Coordinates
+from lightning_moe_ckpt.core.layout import build_mesh, mesh_coordinates
 from lightning_moe_ckpt.testing import FailureInjector
 from lightning_moe_ckpt.testing.faults import AtSchedule
 from lightning_moe_ckpt.training.consolidate import gather_consolidated_state
@@ -34,15 +33,15 @@ def injected_run(settings: RunSettings, window: int, events: list[dict[str, Any]
     ``corrupt_local=(rank, step)``: before ``step``, that rank flips a bit in its own
     host copy of every snapshot already replicated (the replicas stay intact)."""
     plan = settings.layout
-    mesh = init_device_mesh("cpu", (plan.pp, plan.dp, plan.ep), mesh_dim_names=("pp", "dp", "ep"))
-    coords = Coordinates(*mesh.get_coordinate())
+    mesh = build_mesh(plan, "cpu")
+    coords = mesh_coordinates(mesh)
     rank, world = dist.get_rank(), dist.get_world_size()
     checkpointing = SparseCheckpointing("moevement", replicas=2, window=window,
                                         upstream_logging=upstream_logging)
     hooks = [] if checkpointing.upstream_log is None else [checkpointing.upstream_log]
     engine = build_parallel_engine(settings, mesh, torch.device("cpu"), hooks)
     sampler = build_data(settings).train
-    shard = coords.dp * plan.ep + coords.ep
+    shard = plan.data_shard(coords)
     coordinator = checkpointing.attach(engine, rank=rank, world_size=world)
     injector = FailureInjector(AtSchedule(events, world_size=world), checkpointing)
     engine.batch = lambda t: sampler.iteration(t, shard)
@@ -150,15 +149,15 @@ def ahead_run(settings: RunSettings, window: int, step: int, failed: tuple[int, 
     from lightning_moe_ckpt.testing.faults import destroy_rank_state
 
     plan = settings.layout
-    mesh = init_device_mesh("cpu", (plan.pp, plan.dp, plan.ep), mesh_dim_names=("pp", "dp", "ep"))
-    coords = Coordinates(*mesh.get_coordinate())
+    mesh = build_mesh(plan, "cpu")
+    coords = mesh_coordinates(mesh)
     rank, world = dist.get_rank(), dist.get_world_size()
     checkpointing = SparseCheckpointing("moevement", replicas=1, window=window)
     log = checkpointing.upstream_log
     assert log is not None
     engine = build_parallel_engine(settings, mesh, torch.device("cpu"), [log])
     sampler = build_data(settings).train
-    shard = coords.dp * plan.ep + coords.ep
+    shard = plan.data_shard(coords)
     coordinator = checkpointing.attach(engine, rank=rank, world_size=world)
     engine.batch = lambda t: sampler.iteration(t, shard)
     losses: list[float] = []

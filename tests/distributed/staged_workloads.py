@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
-from lightning_moe_ckpt.core.layout import Coordinates, ParallelPlan
+from lightning_moe_ckpt.core.layout import ParallelPlan, build_mesh, mesh_coordinates
 from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.parallel.fused_experts import ExpertShard, shard_fused_experts
 from lightning_moe_ckpt.parallel.model_plans import (
@@ -56,6 +56,8 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ep_group: Any
     for name, param in model.named_parameters():
         tensors = {"param": param.detach(), **{k: v for k, v in optimizer.state[param].items()
                                                 if k != "step"}}
+        tensors = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                   for k, v in tensors.items()}
         if id(param) in shards:
             for key, tensor in tensors.items():
                 parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(ep_group))]
@@ -67,30 +69,31 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ep_group: Any
 
 def train_staged(builder: Callable[..., nn.Module], pp: int, ep: int, steps: int,
                  parallelize_fn: ParallelizeFn | None = None, shards: int | None = None,
-                 ) -> dict[str, Any]:
-    """Train ``builder(seed=0)`` for ``steps`` under ``pp x dp x ep`` (dp from the world);
-    on one process ``shards`` names how many data shards to run as micro-batches."""
+                 dp_shard: int = 1) -> dict[str, Any]:
+    """Train ``builder(seed=0)`` for ``steps`` under ``pp x dp x dp_shard x ep`` (dp from
+    the world); on one process ``shards`` names how many data shards to run as
+    micro-batches."""
     torch.use_deterministic_algorithms(True)
     world = dist.get_world_size()
-    dp = world // (pp * ep)
-    mesh = init_device_mesh("cpu", (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
+    dp = world // (pp * dp_shard * ep)
+    mesh = build_mesh(ParallelPlan(pp, dp, ep, 1, 0, 0, dp_shard=dp_shard), "cpu")
     model = builder(seed=0)
     full_names = [name for name, _ in model.named_parameters()]
     vocab = 64  # every test model's vocabulary
     plan_fn, _ = resolve_plan(model, parallelize_fn)
     staged = plan_fn(model, mesh)
-    pp_rank, dp_rank, ep_rank = mesh_position(mesh)
-    data_shards = shards if world == 1 and shards else dp * ep
+    coords = mesh_coordinates(mesh)
+    data_shards = shards if world == 1 and shards else dp * dp_shard * ep
     microbatches = MICROBATCHES * (data_shards if world == 1 else 1)
-    plan = ParallelPlan(pp, dp, ep, microbatches, 0, 0)
-    executor = StagedExecutor(staged, plan, ProcessGroups.from_mesh(mesh),
-                              Coordinates(pp_rank, dp_rank, ep_rank), torch.device("cpu"),
-                              MICRO_BATCH, SEQ, token_loss, [], full_names)
+    plan = ParallelPlan(pp, dp, ep, microbatches, 0, 0, dp_shard=dp_shard)
+    executor = StagedExecutor(staged, plan, ProcessGroups.from_mesh(mesh), coords,
+                              torch.device("cpu"), MICRO_BATCH, SEQ, token_loss, [],
+                              full_names)
     optimizer = torch.optim.AdamW(staged.model.parameters(), lr=3e-3)
     losses = []
     for step in range(steps):
-        tokens = global_batch(step, data_shards if world == 1 else dp * ep, vocab)
-        mine = tokens.flatten(0, 1) if world == 1 else tokens[dp_rank * ep + ep_rank]
+        tokens = global_batch(step, data_shards, vocab)
+        mine = tokens.flatten(0, 1) if world == 1 else tokens[plan.data_shard(coords)]
         loss_sum = executor.forward_backward(mine[..., :-1], mine[..., 1:])
         executor.reduce_gradients()
         optimizer.step()
@@ -145,3 +148,21 @@ def parallelize_grouped_experts(model: nn.Module, mesh: Any) -> StagedModel:
             shard_fused_experts(layer.moe.experts, mesh.get_group("ep"))
     return StagedModel(model, [GroupedStage(model)], hidden_size=lm.layers[str(owned[0])]
                        .attention_norm.weight.shape[0], output_size=64)
+
+
+def split_under_dp_shard(builder: Callable[..., nn.Module],
+                         parallelize_fn: ParallelizeFn) -> str:
+    """Split ``builder(seed=0)`` with ``parallelize_fn`` under ``dp_shard`` = the world:
+    the error the split raises (``""``: none)."""
+    from lightning_moe_ckpt.errors import ConfigError
+    from lightning_moe_ckpt.strategies.core import MoEParallelCore
+    from lightning_moe_ckpt.strategies.user_model import UserModelSplit
+
+    core = MoEParallelCore(dp_shard=dist.get_world_size())
+    core.resolve(dist.get_world_size())
+    core.setup_mesh("cpu")
+    try:
+        UserModelSplit(core, 1, parallelize_fn).split(builder(seed=0))
+    except ConfigError as error:
+        return str(error)
+    return ""

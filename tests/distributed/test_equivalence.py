@@ -100,3 +100,21 @@ def test_interleaved_schedule_is_bitwise() -> None:
     state, losses = run_distributed(2, distributed_run, settings)
     _compare(reference, state, bitwise=True, precision="32")
     assert losses == reference_losses
+
+
+SHARDED_LAYOUTS = [(1, 1, 2, 1), (2, 1, 2, 1), (1, 1, 2, 2)]
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-master"])
+@pytest.mark.parametrize("layout", SHARDED_LAYOUTS,
+                         ids=lambda layout: "pp{}dp{}dp_shard{}ep{}".format(*layout))
+def test_sharded_layout_matches_single_process(layout: tuple[int, int, int, int],
+                                               precision: str) -> None:
+    """``parallel.dp_shard``: FSDP2 shards every parameter and its optimizer state; the
+    shards' reduce-scatter sums in another order, so the tolerances above apply."""
+    pp, dp, dp_shard, ep = layout
+    settings = make_settings(pp, dp, ep, precision=precision, dp_shard=dp_shard)
+    reference, reference_losses = reference_run(settings)
+    state, losses = run_distributed(settings.layout.world_size, distributed_run, settings)
+    _compare(reference, state, bitwise=False, precision=precision)
+    assert losses == pytest.approx(reference_losses, rel=1e-5 if precision == "32" else 1e-3)

@@ -19,7 +19,11 @@ import torch
 
 from tests.anymodel.models import grouped_experts_moe, qwen3_moe
 from tests.distributed.harness import run_distributed
-from tests.distributed.staged_workloads import parallelize_grouped_experts, train_staged
+from tests.distributed.staged_workloads import (
+    parallelize_grouped_experts,
+    split_under_dp_shard,
+    train_staged,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -66,6 +70,24 @@ def test_hf_qwen3_moe_expert_parallel_matches_to_rounding(pp: int, ep: int) -> N
     reference = _qwen_reference(2)
     got = run_distributed(pp * ep, train_staged, qwen3_moe, pp, ep, STEPS)
     _assert_states(reference, got, bitwise=False)
+
+
+@pytest.mark.parametrize(("pp", "ep"), [(1, 1), (2, 1), (1, 2)], ids=["dp_shard2", "pp2",
+                                                                     "ep2"])
+def test_hf_qwen3_moe_sharded_over_dp_shard_matches_to_rounding(pp: int, ep: int) -> None:
+    """``dp_shard=2``: the built-in plan shards every decoder layer, the embedding, the
+    final norm and ``lm_head`` with FSDP2; each rank reads its own data shard."""
+    reference = _qwen_reference(2 * ep)
+    got = run_distributed(pp * 2 * ep, train_staged, qwen3_moe, pp, ep, STEPS, None, None, 2)
+    _assert_states(reference, got, bitwise=False)
+
+
+def test_a_parallelize_fn_that_shards_nothing_is_refused_under_dp_shard() -> None:
+    message = run_distributed(2, split_under_dp_shard, grouped_experts_moe,
+                              parallelize_grouped_experts)
+    assert "parallel.dp_shard=2, but the plan for GroupedExpertsLM sharded no parameter" \
+        in message, message
+    assert "mesh['dp_shard']" in message
 
 
 def test_grouped_experts_model_trains_through_its_parallelize_fn() -> None:

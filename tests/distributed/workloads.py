@@ -16,10 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.device_mesh import init_device_mesh
 from typing_extensions import override
 
-from lightning_moe_ckpt.core.layout import Coordinates
+from lightning_moe_ckpt.core.layout import Coordinates, build_mesh, mesh_coordinates
 from lightning_moe_ckpt.data import BatchLayout, SeekableSampler
 from lightning_moe_ckpt.parallel.pipeline import BoundaryEvent, PipelineRunner
 from lightning_moe_ckpt.planning.planner import BasePlanner
@@ -33,13 +32,13 @@ from moe_recipes.settings import RunSettings, settings_from_config
 
 def make_settings(pp: int, dp: int, ep: int, precision: str = "32", steps: int = 3,
                   microbatches: int = 4, schedule: str = "1f1b",
-                  max_grad_norm: float | None = 1.0) -> RunSettings:
+                  max_grad_norm: float | None = 1.0, dp_shard: int = 1) -> RunSettings:
     """Tiny model, short sequences, a global batch every tested layout divides."""
     return settings_from_config(OmegaConf.create({
         "model": {"max_seq_len": 16},
         "data": {"seq_len": 16},
         "parallel": {"pp": pp, "dp": dp, "ep": ep, "microbatches": microbatches,
-                     "schedule": schedule},
+                     "schedule": schedule, "dp_shard": dp_shard},
         "trainer": {"max_steps": steps, "precision": precision, "global_batch": 16,
                     "val_batches": 1, "optim": {"max_grad_norm": max_grad_norm}},
     }))
@@ -76,11 +75,11 @@ def reference_run(settings: RunSettings) -> tuple[dict[str, Any], list[float]]:
 def _rank_engine(settings: RunSettings, hooks: list[Any] | None = None
                  ) -> tuple[TrainingEngine, Coordinates, SeekableSampler, int]:
     plan = settings.layout
-    mesh = init_device_mesh("cpu", (plan.pp, plan.dp, plan.ep), mesh_dim_names=("pp", "dp", "ep"))
-    coords = Coordinates(*mesh.get_coordinate())
+    mesh = build_mesh(plan, "cpu")
+    coords = mesh_coordinates(mesh)
     engine = build_parallel_engine(settings, mesh, torch.device("cpu"), hooks)
     sampler = build_data(settings).train
-    return engine, coords, sampler, coords.dp * plan.ep + coords.ep
+    return engine, coords, sampler, plan.data_shard(coords)
 
 
 def distributed_run(settings: RunSettings) -> tuple[dict[str, Any] | None, list[float]]:

@@ -29,6 +29,29 @@ def test_coordinates_round_trip_with_ep_fastest() -> None:
         plan.coordinates(8)
 
 
+def test_a_shard_group_sits_between_the_replicas_and_the_expert_ranks() -> None:
+    """``dp_shard``: world = pp x dp x dp_shard x ep, ep fastest; a stage's ranks are
+    contiguous and each reads its own data shard."""
+    model = MoEModelConfig(n_layers=4, n_experts=8)
+    plan = ParallelPlan.validate(pp=2, dp=1, ep=2, microbatches=4, schedule="1f1b",
+                                 model=model, dp_shard=2)
+    assert plan.world_size == 8 and plan.data_shards == 4 and plan.sharded
+    assert [plan.coordinates(r) for r in range(4)] == [
+        Coordinates(0, 0, 0, 0), Coordinates(0, 0, 1, 0), Coordinates(0, 0, 0, 1),
+        Coordinates(0, 0, 1, 1)]
+    assert all(plan.rank_of(plan.coordinates(r)) == r for r in range(plan.world_size))
+    assert plan.stage_group_ranks(1) == [4, 5, 6, 7]
+    assert [plan.data_shard(plan.coordinates(r)) for r in range(8)] == [0, 1, 2, 3] * 2
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=0 must be an integer >= 1"):
+        ParallelPlan.validate(pp=1, dp=1, ep=1, microbatches=1, schedule="1f1b",
+                              model=model, dp_shard=0)
+    with pytest.raises(ConfigError, match=r"parallel.pp=1 x parallel.dp=1 x "
+                       r"parallel.dp_shard=2 x parallel.ep=1 = 2 processes, but the "
+                       r"launcher provides world size 4"):
+        ParallelPlan.validate(pp=1, dp=1, ep=1, microbatches=1, schedule="1f1b",
+                              model=model, dp_shard=2, world_size=4)
+
+
 def test_layers_and_experts_are_split_contiguously() -> None:
     plan = _plan(3, 1, 4, microbatches=3, layers=7, experts=8)
     assert [plan.stage_layers(s) for s in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_moe_ckpt.core.operators import local_tensor
 from lightning_moe_ckpt.errors import ConfigError
 
 Precision = Literal["32", "bf16-master"]
@@ -162,8 +163,9 @@ class MasterWeightAdamW(MasterWeightOptimizer):
         if self.precision != "32":
             stepped = [(self.model_params[n], m) for n, m in self.master.items()
                        if m.grad is not None]
-            if stepped:
-                torch._foreach_copy_([p for p, _ in stepped], [m for _, m in stepped])
+            if stepped:  # a sharded parameter's shard from its master's
+                torch._foreach_copy_([local_tensor(p) for p, _ in stepped],
+                                     [local_tensor(m) for _, m in stepped])
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -8,7 +8,9 @@ module named ``experts`` (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H
 The plan prunes the model in place: ``model.layers`` becomes a ``ModuleDict`` of this
 rank's layers under their global index (so ``model.layers.3.mlp.gate.weight`` keeps its
 name), the embedding lives only on the first stage, the final norm and ``lm_head`` only on
-the last; every ``experts`` module is sharded over ``ep``. :class:`HFDecoderStage` runs a
+the last; every ``experts`` module is sharded over ``ep``. With a ``dp_shard`` mesh
+dimension above 1 the embedding, every decoder layer, the final norm and ``lm_head`` are
+then each ``fully_shard``-ed over it (FSDP2). :class:`HFDecoderStage` runs a
 stage exactly as the model's own forward runs those layers: the same causal mask, rotary
 position embeddings and per-layer call.
 """
@@ -21,6 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.parallel.fsdp import shard_units
 from lightning_moe_ckpt.parallel.fused_experts import expert_count, shard_fused_experts
 from lightning_moe_ckpt.parallel.model_plans import (
     ModelShape,
@@ -121,6 +125,15 @@ def parallelize_hf_decoder(model: nn.Module, mesh: DeviceMesh) -> StagedModel:
             shard = shard_fused_experts(experts, group)
             # HF's expert loop one-hots over ``num_experts``: the shard's count now.
             cast(Any, shard).num_experts = shard.local_experts
+    if mesh["dp_shard"].size() > 1:
+        head = lm.lm_head
+        if first and last and head is not None and head.weight is inner.embed_tokens.weight:
+            raise ConfigError(
+                f"{type(model).__name__} ties lm_head to the embedding "
+                "(tie_word_embeddings=True), which parallel.dp_shard cannot shard as two "
+                "units; untie them, or use parallel.dp")
+        shard_units([inner.embed_tokens, *inner.layers.values(), inner.norm, head],
+                    mesh["dp_shard"])
     config = lm.config
     return StagedModel(model, [HFDecoderStage(model, owned, first, last)],
                        hidden_size=int(config.hidden_size), output_size=int(config.vocab_size))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_moe_ckpt.core.layout import mesh_coordinates
 from lightning_moe_ckpt.errors import require
 
 
@@ -73,9 +74,10 @@ def stage_layer_ids(n_layers: int, stages: int, stage: int) -> list[int]:
 
 
 def mesh_position(mesh: DeviceMesh) -> tuple[int, int, int]:
-    """This rank's ``(pp, dp, ep)`` coordinates in ``mesh``."""
-    pp, dp, ep = (int(c) for c in mesh.get_coordinate() or (0, 0, 0))
-    return pp, dp, ep
+    """This rank's ``(pp, dp, ep)`` coordinates in ``mesh`` (a user's split model is
+    never sharded over ``dp_shard``)."""
+    coords = mesh_coordinates(mesh)
+    return coords.pp, coords.dp, coords.ep
 
 
 def check_layout(shape: ModelShape, *, pp: int, ep: int, what: str) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -140,9 +141,9 @@ def _recover_scopes(coordinator: CheckpointSide, log: UpstreamLog, plan: Paralle
     if in_scope:
         assert views is not None
         clip = {t: c for part in handed for t, c in part["clip"].items()}
-        previous = plan.rank_of(Coordinates(coords.pp - 1, coords.dp, coords.ep)) \
+        previous = plan.rank_of(replace(coords, pp=coords.pp - 1)) \
             if coords.pp > 0 and coords.pp - 1 not in scope_pp else None
-        following = plan.rank_of(Coordinates(coords.pp + 1, coords.dp, coords.ep)) \
+        following = plan.rank_of(replace(coords, pp=coords.pp + 1)) \
             if coords.pp + 1 < plan.pp and coords.pp + 1 not in scope_pp else None
         runner = executor.runner
         runner.replay = {t: {coords.pp: (

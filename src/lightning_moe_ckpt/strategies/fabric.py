@@ -49,12 +49,13 @@ __all__ = ["STRATEGY_NAME", "MoEParallelStrategy"]
 
 
 class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvider):
-    """Fabric strategy over a pp x dp x ep mesh: the built-in model's
+    """Fabric strategy over a pp x dp x dp_shard x ep mesh: the built-in model's
     :class:`TrainingEngine`, or a user's model split by a plan (:meth:`parallelize`).
 
     Args:
         pp: Pipeline stages.
-        dp: Data-parallel replicas; ``"auto"``: what ``pp x ep`` leaves of the world size.
+        dp: Data-parallel replicas; ``"auto"``: what ``pp x dp_shard x ep`` leaves of the
+            world size.
         ep: Expert-parallel ranks; must divide the model's experts.
         schedule: The pipeline schedule, ``"1f1b"`` or ``"interleaved_1f1b"``.
         process_group_backend: The process groups' backend (``"gloo"``, ``"nccl"``);
@@ -66,18 +67,20 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvide
         microbatches: Micro-batches per batch of a user's model split by a plan.
         parallelize_fn: Splits a user's model for which the library has no built-in plan:
             ``(model, mesh) -> StagedModel``; ``None``: the built-in plans.
+        dp_shard: Data-parallel ranks over which FSDP2 shards the built-in model's
+            parameters and optimizer state (a shard group); ``1``: replicated only.
 
     Raises:
-        ConfigError: An unknown ``schedule``, or ``microbatches`` below 1.
+        ConfigError: An unknown ``schedule``, ``microbatches`` or ``dp_shard`` below 1.
     """
 
     def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
                  schedule: str = "1f1b", process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
                  recovery_timeout_s: float = 60.0, microbatches: int = 1,
-                 parallelize_fn: ParallelizeFn | None = None) -> None:
+                 parallelize_fn: ParallelizeFn | None = None, dp_shard: int = 1) -> None:
         super().__init__()
-        self.core = MoEParallelCore(pp, dp, ep, schedule)
+        self.core = MoEParallelCore(pp, dp, ep, schedule, dp_shard)
         self.user_model = UserModelSplit(self.core, microbatches, parallelize_fn)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
@@ -108,8 +111,8 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvide
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every stage of one pipeline reads the same shard; shards are the dp x ep ranks.
-        return {"num_replicas": int(self.core.dp) * self.core.ep, "rank": self.core.data_shard}
+        # Every stage of one pipeline reads the same shard; shards are a stage's ranks.
+        return {"num_replicas": self.core.data_shards, "rank": self.core.data_shard}
 
     @override
     def build_engine(self, settings: TrainingSettings) -> TrainingEngine:

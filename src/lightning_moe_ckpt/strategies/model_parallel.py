@@ -25,15 +25,13 @@ failure interrupted runs again once the job recovered.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
@@ -41,6 +39,11 @@ from lightning_moe_ckpt.core.target import RankReplacement
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.failures.join import JoiningLoader
 from lightning_moe_ckpt.failures.supervisor import is_replacement
+from lightning_moe_ckpt.parallel.fsdp import (
+    has_separate_reduce_scatter_group,
+    reattach_fsdp_groups,
+    release_fsdp_groups,
+)
 
 __all__ = ["ModelParallelReplacement", "keep_start_up_collectives_local",
            "restore_start_up_collectives"]
@@ -70,19 +73,7 @@ class ModelParallelReplacement(RankReplacement):
 
     @override
     def release_user_model(self) -> None:
-        module = self._module()
-        for root in _fsdp_roots(module):
-            root.reset_iter_state()  # the interrupted iteration's collectives are dropped
-        for group in _param_groups(module):  # and the gradients its backward began
-            for param in group.fsdp_params:
-                param.unsharded_accumulated_grad = None
-                if hasattr(param, "_unsharded_param"):
-                    param._unsharded_param.grad = None
-        for info in _mesh_infos(module):  # the broken groups close once unreferenced
-            for name in ("shard_process_group", "replicate_process_group"):
-                if hasattr(info, name):
-                    setattr(info, name, None)
-        self.strategy.device_mesh._get_root_mesh()._pg_registry.clear()
+        release_fsdp_groups(self._module(), self.strategy.device_mesh)
 
     @override
     def reform_user_model(self) -> None:
@@ -91,19 +82,7 @@ class ModelParallelReplacement(RankReplacement):
         # they get the names the live mesh, its sub-meshes and the DTensors look up.
         shape = tuple(int(size) for size in mesh.shape)
         formed = init_device_mesh(mesh.device_type, shape, mesh_dim_names=mesh.mesh_dim_names)
-        if list(formed._dim_group_names) != list(mesh._dim_group_names):
-            raise RuntimeError(
-                f"the re-formed device mesh's process groups are named "
-                f"{formed._dim_group_names}, the live mesh's {mesh._dim_group_names}: "
-                "process groups were created in another order than at start-up")
-        root = mesh._get_root_mesh()
-        for name in root._dim_group_names:
-            root._pg_registry[name] = _resolve_process_group(name)
-        for info in _mesh_infos(self._module()):
-            if hasattr(info, "shard_process_group"):
-                info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
-            if hasattr(info, "replicate_process_group"):
-                info.replicate_process_group = info.mesh.get_group(info.replicate_mesh_dim)
+        reattach_fsdp_groups(self._module(), mesh, formed)
 
     @override
     def warm_up_user_model(self, sample_batch: Any) -> None:
@@ -121,12 +100,11 @@ class ModelParallelReplacement(RankReplacement):
                 f"torch {torch.__version__}: FSDPModule.reset_iter_state is missing, which "
                 "a survivor needs to drop the iteration a failure interrupted; under the "
                 "supervisor a model sharded by FSDP2 needs torch 2.13 or newer")
-        for info in _mesh_infos(self._module()):
-            if getattr(info, "reduce_scatter_process_group", None) is not None:
-                raise ConfigError(
-                    "set_separate_reduce_scatter_group(): under the supervisor the "
-                    "process groups are re-formed after a failure, and a separate "
-                    "reduce-scatter group is not; leave FSDP's default (the shard group)")
+        if has_separate_reduce_scatter_group(self._module()):
+            raise ConfigError(
+                "set_separate_reduce_scatter_group(): under the supervisor the process "
+                "groups are re-formed after a failure, and a separate reduce-scatter group "
+                "is not; leave FSDP's default (the shard group)")
 
     def joined(self) -> None:
         """This process runs in step with the job from its first batch on."""
@@ -196,32 +174,3 @@ def restore_start_up_collectives() -> None:
     for name, method in _LOCAL_COLLECTIVES.items():
         setattr(ModelParallelStrategy, name, method)
     _LOCAL_COLLECTIVES.clear()
-
-
-def _fsdp_roots(module: nn.Module) -> Iterator[FSDPModule]:
-    """The root FSDP modules under ``module`` (initialized by a forward already)."""
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule) and sub._get_fsdp_state()._is_root:
-            yield sub
-
-
-def _mesh_infos(module: nn.Module) -> Iterator[Any]:
-    """Every FSDP mesh info under ``module``, once: those of its parameter groups and of
-    their parameters (each holds the process groups it was built with)."""
-    seen: set[int] = set()
-    for group in _param_groups(module):
-        infos = [group.mesh_info, group.post_forward_mesh_info]
-        for param in group.fsdp_params:
-            infos += [param.mesh_info, param.post_forward_mesh_info]
-        for info in infos:
-            if info is not None and id(info) not in seen:
-                seen.add(id(info))
-                yield info
-
-
-def _param_groups(module: nn.Module) -> Iterator[Any]:
-    """The FSDP parameter groups under ``module``."""
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            yield from sub._get_fsdp_state()._fsdp_param_groups
-

@@ -54,11 +54,13 @@ from lightning_moe_ckpt.training.settings import TrainingSettings
 
 
 class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvider):
-    """Trainer strategy running a :class:`TrainingEngine` per rank over a pp x dp x ep mesh.
+    """Trainer strategy running a :class:`TrainingEngine` per rank over a
+    pp x dp x dp_shard x ep mesh.
 
     Args:
         pp: Pipeline stages.
-        dp: Data-parallel replicas; ``"auto"``: what ``pp x ep`` leaves of the world size.
+        dp: Data-parallel replicas; ``"auto"``: what ``pp x dp_shard x ep`` leaves of the
+            world size.
         ep: Expert-parallel ranks; must divide the model's experts.
         schedule: The pipeline schedule, ``"1f1b"`` or ``"interleaved_1f1b"``.
         process_group_backend: The process groups' backend (``"gloo"``, ``"nccl"``);
@@ -70,22 +72,24 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvide
         microbatches: Micro-batches per batch of a user's model split by a plan.
         parallelize_fn: Splits a user's model for which the library has no built-in plan:
             ``(model, mesh) -> StagedModel``; ``None``: the built-in plans.
+        dp_shard: Data-parallel ranks over which FSDP2 shards the built-in model's
+            parameters and optimizer state (a shard group); ``1``: replicated only.
 
     Raises:
-        ConfigError: An unknown ``schedule``, or ``microbatches`` below 1.
+        ConfigError: An unknown ``schedule``, ``microbatches`` or ``dp_shard`` below 1.
     """
 
     def __init__(self, pp: int = 1, dp: int | str = "auto", ep: int = 1,
                  schedule: str = "1f1b", process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
                  recovery_timeout_s: float = 60.0, microbatches: int = 1,
-                 parallelize_fn: ParallelizeFn | None = None) -> None:
+                 parallelize_fn: ParallelizeFn | None = None, dp_shard: int = 1) -> None:
         super().__init__()
         # A warm spare of a supervised job waits here, its imports and configuration done,
         # until the supervisor hands it a failed rank (which sets this process's rank).
         if not await_assignment():
             sys.exit(0)  # the job ended without needing this spare
-        self.core = MoEParallelCore(pp, dp, ep, schedule)
+        self.core = MoEParallelCore(pp, dp, ep, schedule, dp_shard)
         # A user's PipelineTrainable module: its model split by a plan, run by the
         # staged executor in ``microbatches`` micro-batches per batch.
         self.user_model = UserModelSplit(self.core, microbatches, parallelize_fn)
@@ -119,7 +123,7 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvide
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": int(self.core.dp) * self.core.ep, "rank": self.core.data_shard}
+        return {"num_replicas": self.core.data_shards, "rank": self.core.data_shard}
 
     @override
     def build_engine(self, settings: TrainingSettings) -> TrainingEngine:
@@ -161,8 +165,7 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvide
                         storage_options: Any | None = None) -> None:
         # Every rank holds different stages and experts: each writes its own file into
         # the checkpoint directory (same layout required to resume).
-        checkpoint["moe_parallel_layout"] = {"pp": self.core.pp, "dp": self.core.dp,
-                                             "ep": self.core.ep, "world_size": self.world_size}
+        checkpoint["moe_parallel_layout"] = self._layout_record()
         self.checkpoint_io.save_checkpoint(checkpoint, self.rank_checkpoint_path(filepath),
                                            storage_options=storage_options)
 
@@ -176,13 +179,17 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvide
                                     "run with the same parallel layout")
         checkpoint: dict[str, Any] = self.checkpoint_io.load_checkpoint(
             path, weights_only=weights_only)
-        layout = checkpoint.get("moe_parallel_layout", {})
-        expected = {"pp": self.core.pp, "dp": self.core.dp, "ep": self.core.ep,
-                    "world_size": self.world_size}
+        layout = {"dp_shard": 1, **checkpoint.get("moe_parallel_layout", {})}
+        expected = self._layout_record()
         if layout != expected:
             raise ValueError(f"ckpt_path={str(checkpoint_path)!r} was written with layout "
                              f"{layout}, this run uses {expected}")
         return checkpoint
+
+    def _layout_record(self) -> dict[str, Any]:
+        """The layout a checkpoint is written in, which a resume must use too."""
+        return {"pp": self.core.pp, "dp": self.core.dp, "dp_shard": self.core.dp_shard,
+                "ep": self.core.ep, "world_size": self.world_size}
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:

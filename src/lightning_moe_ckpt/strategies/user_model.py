@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_moe_ckpt.core.layout import ParallelPlan
 from lightning_moe_ckpt.core.target import PipelineExecution, UserModelParallelism
 from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.parallel.fsdp import reattach_fsdp_groups, release_fsdp_groups
 from lightning_moe_ckpt.parallel.fused_experts import set_expert_group
 from lightning_moe_ckpt.parallel.model_plans import ModelShape, ParallelizeFn, StagedModel
 from lightning_moe_ckpt.parallel.plan_selection import resolve_plan
@@ -56,8 +58,16 @@ class UserModelSplit:
         plan_fn, _ = resolve_plan(model, self.parallelize_fn)
         self.full_names = [name for name, _ in model.named_parameters()]
         self.shape = ModelShape.of(model)
-        self.staged = plan_fn(model, self.core.mesh)
-        return self.staged
+        staged = plan_fn(model, self.core.mesh)
+        if self.core.dp_shard > 1 and not any(
+                isinstance(p, DTensor) for p in staged.model.parameters()):
+            raise ConfigError(
+                f"parallel.dp_shard={self.core.dp_shard}, but the plan for "
+                f"{type(model).__name__} sharded no parameter: a parallelize_fn shards "
+                "its model over mesh['dp_shard'] itself (fully_shard), as the built-in "
+                "plans do")
+        self.staged = staged
+        return staged
 
     def layout(self) -> ParallelPlan | None:
         """The layout the model runs in, with the full model's shape (None: not split)."""
@@ -65,7 +75,8 @@ class UserModelSplit:
             return None
         assert isinstance(self.core.dp, int), "the layout is resolved at launch"
         return ParallelPlan(self.core.pp, self.core.dp, self.core.ep, self.microbatches,
-                            self.shape.n_layers, self.shape.n_experts, self.core.schedule)
+                            self.shape.n_layers, self.shape.n_experts, self.core.schedule,
+                            self.core.dp_shard)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
                          device: torch.device) -> torch.Tensor:
@@ -110,6 +121,8 @@ class UserModelSplit:
             self.executor.release()
         if self.staged is not None:
             set_expert_group(self.staged.model, None)
+            if self.core.model_mesh is not None:  # sharded over dp_shard
+                release_fsdp_groups(self.staged.model, self.core.model_mesh)
         self.core.release_mesh()
 
     def reform(self, device: torch.device) -> None:
@@ -120,6 +133,8 @@ class UserModelSplit:
         mesh = self.core.setup_mesh(device.type)
         if self.staged is not None:
             set_expert_group(self.staged.model, mesh.get_group("ep"))
+            if self.core.model_mesh is not None:
+                reattach_fsdp_groups(self.staged.model, self.core.model_mesh, mesh)
         old = self.executor
         if old is not None:
             assert self._loss_fn is not None

@@ -5,8 +5,10 @@ torch optimizer) read one process's state; :func:`gather_consolidated_state` and
 :func:`gather_target_state` put a distributed run's together on rank 0.
 
 Every parameter is taken from exactly one of its replicas (the one at ``dp = 0`` and, for
-non-expert parameters, ``ep = 0``), so the result has the same keys and layout as the
-single-process ``final_state.pt`` and can be compared with it tensor by tensor. Gathering
+non-expert parameters, ``ep = 0``); a parameter sharded over ``dp_shard`` is put together
+from its shards first (``DTensor.full_tensor``, collective over its shard group). So the
+result has the same keys and layout as the single-process ``final_state.pt`` and can be
+compared with it tensor by tensor. Gathering
 goes through ``gather_object`` on CPU copies, which suits the model sizes this file is
 written for (tests and CPU runs); cluster-sized models use the durable DCP checkpoint.
 """
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_moe_ckpt.core.collectives import gather_values
 from lightning_moe_ckpt.core.layout import Coordinates
@@ -30,22 +33,31 @@ from lightning_moe_ckpt.training.staged_executor import expert_parameters
 
 def consolidated_state(model: torch.nn.Module, optimizer: MasterWeightAdamW,
                        step: int) -> dict[str, Any]:
-    """The dense training state keyed by parameter FQN, on the CPU."""
-    compute = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
-    master = {name: t.cpu().clone() for name, t in optimizer.master_weights().items()}
-    moments = {name: {k: v.detach().cpu().clone() for k, v in entries.items()}
+    """The dense training state keyed by parameter FQN, on the CPU (collective over each
+    shard group when the model is sharded)."""
+    compute = {name: _whole(p.detach()) for name, p in model.named_parameters()}
+    master = {name: _whole(t) for name, t in optimizer.master_weights().items()}
+    moments = {name: {k: _whole(v.detach()) for k, v in entries.items()}
                for name, entries in optimizer.optimizer_state().items()}
     return {"step": step, "model": master, "compute": compute, "optimizer": moments}
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor``, a sharded one's shards put together."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.cpu().clone()
+
+
 def target_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  step: int) -> dict[str, Any]:
-    """:func:`consolidated_state` of any model and torch optimizer (one process)."""
+    """:func:`consolidated_state` of any model and torch optimizer (one process, or
+    collective over each shard group when the model is sharded)."""
     access = OptimizerStateAccess(optimizer)
-    compute = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
-    master = {name: access.master(p).detach().float().cpu().clone()
+    compute = {name: _whole(p.detach()) for name, p in model.named_parameters()}
+    master = {name: _whole(access.master(p).detach().float())
               for name, p in model.named_parameters()}
-    moments = {name: {k: v.detach().cpu().clone() for k, v in state.items()}
+    moments = {name: {k: _whole(v.detach()) for k, v in state.items()}
                for name, p in model.named_parameters()
                if (state := access.state_of(p)) is not None}
     return {"step": step, "model": master, "compute": compute, "optimizer": moments}
@@ -87,7 +99,8 @@ def gather_consolidated_state(engine: TrainingEngine, coords: Coordinates,
     local = consolidated_state(engine.model, engine.optimizer, step)
 
     def owned(name: str) -> bool:
-        return coords.dp == 0 and (is_expert_parameter(name) or coords.ep == 0)
+        return coords.dp == 0 and coords.dp_shard == 0 and (
+            is_expert_parameter(name) or coords.ep == 0)
 
     mine = {section: {n: v for n, v in local[section].items() if owned(n)}
             for section in ("model", "compute", "optimizer")}

@@ -1,14 +1,17 @@
-"""The distributed executor: one rank's share of an iteration under pp x dp x ep.
+"""The distributed executor: one rank's share of an iteration under pp x dp x dp_shard x ep.
 
 Forward/backward runs through the pipeline schedule (``pp > 1``) or a plain micro-batch
 loop, with expert-parallel dispatch inside the MoE layers. Gradients are synchronised in
 fp32 on the master gradients: non-expert gradients are summed over the stage's ``dp x ep``
 ranks, expert gradients over ``dp`` (an expert's gradient already holds every token routed
 to it from its ``ep`` peers), and both are divided by the number of data shards, so the
-update is the one for the mean loss over the global batch. Frozen operators have no
-gradient and take part in no collective (they are frozen by name on every rank, so the
-groups stay consistent). The global grad norm, the loss and the routing telemetry are
-combined by exact all-reduces of vectors in which every entry comes from one rank.
+update is the one for the mean loss over the global batch. With ``dp_shard > 1`` FSDP2
+has summed each gradient over the shard group already (a reduce-scatter in backward), and
+the sums above run on the local shards. Frozen operators have no gradient and take part in
+no collective (they are frozen by name on every rank, so the groups stay consistent); a
+sharded model freezes by restoring instead, and every gradient is reduced. The global grad
+norm, the loss and the routing telemetry are combined by exact all-reduces of vectors in
+which every entry comes from one rank (a sharded parameter has an entry per shard).
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_moe_ckpt.core.layout import Coordinates, ParallelPlan
-from lightning_moe_ckpt.core.operators import is_expert_parameter
+from lightning_moe_ckpt.core.layout import Coordinates, ParallelPlan, mesh_coordinates
+from lightning_moe_ckpt.core.operators import is_expert_parameter, local_tensor
 from lightning_moe_ckpt.core.precision import compute_dtype
 from lightning_moe_ckpt.models.transformer import MoETransformer
 from lightning_moe_ckpt.parallel.expert_parallel import (
     disable_expert_parallel,
     enable_expert_parallel,
 )
+from lightning_moe_ckpt.parallel.fsdp import apply_fsdp
 from lightning_moe_ckpt.parallel.partition import build_rank_model, stage_modules
 from lightning_moe_ckpt.parallel.pipeline import BoundaryHook, PipelineRunner
 from lightning_moe_ckpt.training.engine import TrainingEngine
@@ -44,22 +48,28 @@ from lightning_moe_ckpt.training.settings import TrainingSettings
 
 @dataclass(frozen=True)
 class ProcessGroups:
-    """The process groups of one rank, taken from the ``("pp", "dp", "ep")`` mesh."""
+    """The process groups of one rank, taken from the ``("pp", "dp", "dp_shard", "ep")``
+    mesh."""
 
     world: dist.ProcessGroup
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
     ep: dist.ProcessGroup
-    stage: dist.ProcessGroup  # dp x ep ranks of this pipeline stage
+    stage: dist.ProcessGroup  # dp x dp_shard x ep ranks of this pipeline stage
+    replicas: dist.ProcessGroup  # dp x ep ranks holding the same shard of the stage
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> ProcessGroups:
-        """Groups of the calling rank in ``mesh``."""
-        stage = mesh["dp", "ep"]._flatten("dp_ep").get_group()
+        """Groups of the calling rank in ``mesh`` (created on the first call, in the same
+        order on every rank)."""
+        stage = mesh["dp", "dp_shard", "ep"]._flatten("stage").get_group()
+        replicas = stage
+        if mesh["dp_shard"].size() > 1:
+            replicas = mesh["dp", "ep"]._flatten("dp_ep").get_group()
         world = dist.group.WORLD
         assert world is not None
         return cls(world, mesh.get_group("pp"), mesh.get_group("dp"), mesh.get_group("ep"),
-                   stage)
+                   stage, replicas)
 
 
 def full_model_parameter_names(settings: TrainingSettings) -> list[str]:
@@ -87,9 +97,12 @@ class DistributedExecutor:
         self.n_layers = n_layers
         names = [name for name, _ in model.named_parameters()]
         self.is_expert = {name: is_expert_parameter(name) for name in names}
-        # Each parameter's norm is contributed by exactly one of its replicas.
+        # Each parameter's norm is contributed by exactly one of its replicas; a sharded
+        # parameter's by one replica of each shard, in a slot of its own.
         self.owns_norm = {name: coords.dp == 0 and (self.is_expert[name] or coords.ep == 0)
                           for name in names}
+        self.norm_slots = plan.dp_shard
+        self.norm_slot = coords.dp_shard
 
     def release(self) -> None:
         """Drop every reference this executor holds to its process groups: the pipeline
@@ -145,20 +158,27 @@ class DistributedExecutor:
         shards = self.plan.data_shards
         if shards == 1 or not grads:
             return
+        local = {name: local_tensor(grad) for name, grad in grads.items()}
         pending = []
-        for name, grad in grads.items():
-            group = self.groups.dp if self.is_expert[name] else self.groups.stage
+        for name, grad in local.items():
+            group = self.groups.dp if self.is_expert[name] else self.groups.replicas
             if dist.get_world_size(group) > 1:
                 pending.append(dist.all_reduce(grad, group=group, async_op=True))
         for work in pending:
             assert work is not None
             work.wait()
-        torch._foreach_div_(list(grads.values()), shards)
+        torch._foreach_div_(list(local.values()), shards)
 
     def grad_norm(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
         device = next(self.model.parameters()).device
-        owned = {name: grad for name, grad in grads.items() if self.owns_norm[name]}
-        vector = norm_vector(owned, self.index, len(self.index), device)
+        owned = {name: local_tensor(grad) for name, grad in grads.items()
+                 if self.owns_norm[name]}
+        if self.norm_slots == 1:
+            vector = norm_vector(owned, self.index, len(self.index), device)
+        else:
+            slots = {name: index * self.norm_slots + self.norm_slot
+                     for name, index in self.index.items()}
+            vector = norm_vector(owned, slots, len(self.index) * self.norm_slots, device)
         if not self.replaying:  # replay supplies the logged clip coefficient instead
             dist.all_reduce(vector, group=self.groups.world)
         return torch.linalg.vector_norm(vector)
@@ -195,7 +215,7 @@ def build_parallel_executor(settings: TrainingSettings, mesh: DeviceMesh, model:
     pipeline schedule and the gradient sync groups. Built again over the same model when
     the process groups are re-formed after a failure."""
     plan = settings.layout
-    coords = Coordinates(*(int(c) for c in mesh.get_coordinate() or (0, 0, 0)))
+    coords = mesh_coordinates(mesh)
     groups = ProcessGroups.from_mesh(mesh)
     dtype = compute_dtype(settings.precision)
     if plan.ep > 1:
@@ -213,9 +233,12 @@ def build_parallel_executor(settings: TrainingSettings, mesh: DeviceMesh, model:
 
 def build_parallel_engine(settings: TrainingSettings, mesh: DeviceMesh, device: torch.device,
                           hooks: list[BoundaryHook] | None = None) -> TrainingEngine:
-    """This rank's :class:`TrainingEngine` for ``settings.layout`` over ``mesh``."""
-    coords = Coordinates(*(int(c) for c in mesh.get_coordinate() or (0, 0, 0)))
+    """This rank's :class:`TrainingEngine` for ``settings.layout`` over ``mesh``; with
+    ``dp_shard > 1`` its model is sharded over the ``dp_shard`` mesh dimension."""
+    coords = mesh_coordinates(mesh)
     model = build_rank_model(settings.model, settings.layout, coords, settings.seed,
                              compute_dtype(settings.precision), device)
+    if settings.layout.sharded:
+        apply_fsdp(model, mesh["dp_shard"])
     executor = build_parallel_executor(settings, mesh, model, device, hooks)
     return TrainingEngine.around(settings, model, executor)

@@ -104,12 +104,14 @@ class TrainingSettings:
 
     @classmethod
     def for_layout(cls, *, pp: int = 1, dp: int = 1, ep: int = 1, microbatches: int = 1,
-                   schedule: str = "1f1b", **fields: Any) -> TrainingSettings:
-        """Settings for a ``pp x dp x ep`` layout (validated against the model);
-        ``fields`` are the other fields, e.g. ``max_steps=20``."""
+                   schedule: str = "1f1b", dp_shard: int = 1, **fields: Any
+                   ) -> TrainingSettings:
+        """Settings for a ``pp x dp x dp_shard x ep`` layout (validated against the
+        model); ``fields`` are the other fields, e.g. ``max_steps=20``."""
         model = fields.get("model", MoEModelConfig())
         return cls(layout=ParallelPlan.validate(pp=pp, dp=dp, ep=ep, microbatches=microbatches,
-                                                schedule=schedule, model=model), **fields)
+                                                schedule=schedule, model=model,
+                                                dp_shard=dp_shard), **fields)
 
     def __post_init__(self) -> None:
         if self.layout is None:

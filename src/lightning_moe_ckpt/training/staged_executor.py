@@ -11,7 +11,9 @@ single-stage run's bitwise.
 the global batch: expert parameters (those of an
 :class:`~lightning_moe_ckpt.parallel.fused_experts.ExpertShard`) are summed over ``dp``
 (an expert already holds every token routed to it from its ``ep`` peers), all others over
-the stage's ``dp x ep`` ranks, and everything is divided once by ``M x dp x ep``. A
+the stage's ``dp x ep`` ranks, and everything is divided once by ``M x dp x dp_shard x
+ep``. A model sharded over ``dp_shard`` (FSDP2) has summed each gradient over its shard
+group in backward already; the sums above run on the local shards. A
 trainable parameter that got no gradient this iteration (no token reached its expert)
 takes part with zeros, so every replica issues the same collectives; a frozen one
 (``requires_grad`` off during a replay) takes no part.
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_moe_ckpt.core.layout import Coordinates, ParallelPlan
+from lightning_moe_ckpt.core.operators import local_tensor
 from lightning_moe_ckpt.parallel.fused_experts import ExpertShard
 from lightning_moe_ckpt.parallel.model_plans import StagedModel
 from lightning_moe_ckpt.parallel.pipeline import BoundaryHook, PipelineRunner
@@ -60,7 +63,7 @@ class StagedExecutor:
         self.trainable = [(p, id(p) in experts) for p in staged.model.parameters()
                           if p.requires_grad]
         self.norm_slots, self.owned_norms = _norm_slots(staged.model, experts, full_names,
-                                                        coords, plan.ep)
+                                                        coords, plan)
         self.runner: PipelineRunner | None = None
         pp_rank = coords.pp
         if plan.pp > 1:
@@ -120,16 +123,18 @@ class StagedExecutor:
         active = [(param, is_expert) for param, is_expert in self.trainable
                   if param.requires_grad]
         pending = []
+        grads = []
         for param, is_expert in active:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            group = self.groups.dp if is_expert else self.groups.stage
+            grad = local_tensor(param.grad)
+            grads.append(grad)
+            group = self.groups.dp if is_expert else self.groups.replicas
             if dist.get_world_size(group) > 1:
-                pending.append(dist.all_reduce(param.grad, group=group, async_op=True))
+                pending.append(dist.all_reduce(grad, group=group, async_op=True))
         for work in pending:
             assert work is not None
             work.wait()
-        grads = [param.grad for param, _ in active if param.grad is not None]
         if grads:
             torch._foreach_div_(grads, self.plan.microbatches * self.plan.data_shards)
 
@@ -139,7 +144,8 @@ class StagedExecutor:
         by an exact all-reduce (every slot comes from one rank; skipped in a localized
         replay), then normed, so a pure pipeline layout gets the one-process norm."""
         vector = torch.zeros(self.norm_slots, dtype=torch.float32, device=self.device)
-        owned = [(slot, p.grad) for slot, p in self.owned_norms if p.grad is not None]
+        owned = [(slot, local_tensor(p.grad)) for slot, p in self.owned_norms
+                 if p.grad is not None]
         if owned:
             norms = torch._foreach_norm([grad for _, grad in owned])
             vector[slot_tensor([slot for slot, _ in owned], self.device)] = \
@@ -158,18 +164,22 @@ class StagedExecutor:
 
 
 def _norm_slots(model: nn.Module, experts: set[int], full_names: list[str],
-                coords: Coordinates, ep: int) -> tuple[int, list[tuple[int, nn.Parameter]]]:
+                coords: Coordinates, plan: ParallelPlan
+                ) -> tuple[int, list[tuple[int, nn.Parameter]]]:
     """Slots of the grad-norm vector and the ``(slot, parameter)`` pairs this rank fills.
 
     A whole parameter takes its position in the full model and is filled by its first
     replica (``dp == 0``, and ``ep == 0`` unless it is an expert shard); the ``ep`` shards
-    of an expert parameter take one slot each, past the whole-model positions."""
+    of an expert parameter take one slot each, past the whole-model positions. Under
+    ``dp_shard`` every position has a slot per shard."""
+    ep, shards = plan.ep, plan.dp_shard
     position = {name: index for index, name in enumerate(full_names)}
     owned: list[tuple[int, nn.Parameter]] = []
     for name, param in model.named_parameters():
         if id(param) in experts:
             if coords.dp == 0:
-                owned.append((len(full_names) + position[name] * ep + coords.ep, param))
+                slot = len(full_names) + position[name] * ep + coords.ep
+                owned.append((slot * shards + coords.dp_shard, param))
         elif coords.dp == 0 and coords.ep == 0:
-            owned.append((position[name], param))
-    return len(full_names) * (ep + 1), owned
+            owned.append((position[name] * shards + coords.dp_shard, param))
+    return len(full_names) * (ep + 1) * shards, owned
