@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_moe_ckpt.core.layout import ParallelPlan
+from lightning_moe_ckpt.models import MoEModelConfig
 from lightning_moe_ckpt.replication.replicator import (
     CorruptCheckpointError,
     replica_peers,
@@ -28,6 +30,22 @@ def test_replica_placement_prefers_other_nodes() -> None:
     assert replica_peers(6, 8, 2, ranks_per_node=4) == [0, 1]
     assert replica_peers(0, 2, 2, ranks_per_node=1) == [1]  # capped by the world
     assert replica_peers(0, 1, 2, ranks_per_node=1) == []
+
+
+def test_replica_placement_leaves_a_rank_s_shard_group_last() -> None:
+    """``parallel.dp_shard=2 parallel.ep=2``: rank 2 shares its shard group with rank 0
+    (same stage and experts), so its replicas go to ranks 3 and 1 first; across nodes the
+    node rule still comes first."""
+    model = MoEModelConfig(n_layers=4, n_experts=8)
+    plan = ParallelPlan.validate(pp=1, dp=1, ep=2, microbatches=2, schedule="1f1b",
+                                 model=model, dp_shard=2)
+    assert [plan.shard_group(r) for r in range(4)] == [0, 1, 0, 1]
+    assert replica_peers(2, 4, 2, ranks_per_node=4) == [3, 0]
+    assert replica_peers(2, 4, 2, ranks_per_node=4, shard_group=plan.shard_group) == [3, 1]
+    assert replica_peers(0, 4, 3, ranks_per_node=4, shard_group=plan.shard_group) == [1, 3, 2]
+    # Two nodes of two ranks: both replicas on the other node, its rank outside the shard
+    # group first; the same-node peer 3 comes after rank 0 of the shard group.
+    assert replica_peers(2, 4, 3, ranks_per_node=2, shard_group=plan.shard_group) == [1, 0, 3]
 
 
 @pytest.mark.parametrize(("ranks_per_node", "steps"), [(1, 30), (4, 18)],

@@ -34,7 +34,8 @@ def test_trainer_and_fabric_parallel_runs_are_bitwise_identical(tmp_path: Path) 
     metrics = [json.loads((tmp_path / api / "metrics.json").read_text())
                for api in ("trainer", "fabric")]
     assert metrics[0]["loss"] == metrics[1]["loss"] and len(metrics[0]["loss"]) == 6
-    assert metrics[0]["layout"] == {"pp": 2, "dp": 1, "ep": 2, "microbatches": 4}
+    assert metrics[0]["layout"] == {"pp": 2, "dp": 1, "dp_shard": 1, "ep": 2,
+                                    "microbatches": 4}
     assert [v["step"] for v in metrics[0]["validation"]] == [3, 6]
     assert [v["step"] for v in metrics[1]["validation"]] == [3, 6]
     # The consolidated file has the single-process contract: every FQN of the full model.

@@ -52,6 +52,8 @@ def test_an_injected_failure_under_dp_shard_and_ep_recovers_bitwise(tmp_path: Pa
     assert metrics["loss"] == golden["loss"]
     assert_states_equal(tmp_path / "golden" / "final_state.pt",
                         tmp_path / "failed" / "final_state.pt")
+    # Rank 0's shard group is {0, 2}: its two replicas go to ranks 1 and 3.
+    assert metrics["replica_peers"] == [1, 3]
     replicated = _run(tmp_path / "replicated", "parallel.dp=2", *SHARD_EP[1:])
     ratio = metrics["snapshot_bytes_per_iter"] / replicated["snapshot_bytes_per_iter"]
     assert ratio <= 0.55, ratio

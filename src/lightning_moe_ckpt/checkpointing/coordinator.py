@@ -46,7 +46,7 @@ from typing_extensions import override
 from lightning_moe_ckpt.checkpointing.metrics import CheckpointMetrics
 from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
 from lightning_moe_ckpt.planning.schedule import specs_from_registry
-from lightning_moe_ckpt.replication.replicator import Replicator, replica_peers
+from lightning_moe_ckpt.replication.replicator import Replicator
 from lightning_moe_ckpt.replication.retention import (
     RetainedSaves,
     RetainingReplicaStore,
@@ -101,9 +101,13 @@ class CheckpointCoordinator(StepHooks):
         self.store = store_type(self.pool, 1 if self.disk else effective)
         self._replication_args = (effective, ranks_per_node, acknowledge)
         self.share_same_node = share_same_node
+        # Sharded data parallelism: a rank's replicas go outside its shard group first.
+        layout = target.layout
+        self.shard_group = (layout.shard_group if layout.sharded
+                            and layout.world_size == world_size else None)
         self.replicator = (Replicator(effective, ranks_per_node, acknowledge,
                                       RetainingReplicaStore() if partial else None,
-                                      share_same_node, helper_nice)
+                                      share_same_node, helper_nice, self.shard_group)
                            if effective > 0 and self.disk is None else None)
         self.replica_store = None if self.replicator is None else self.replicator.replicas
         # Every window fetched from a replica peer in a recovery: {rank, window_start,
@@ -314,10 +318,7 @@ class CheckpointCoordinator(StepHooks):
                             "a policy whose restore_rule is partial_restore does")
 
         def holders(source: int) -> list[int]:
-            if replicator is None:
-                return []
-            return replica_peers(source, replicator.world_size, replicator.replica_count,
-                                 replicator.ranks_per_node)
+            return [] if replicator is None else replicator.holders(source)
 
         def group() -> dist.ProcessGroup:
             if replicator is None:
@@ -367,7 +368,7 @@ class CheckpointCoordinator(StepHooks):
         self._slot_bytes_before = max(self._slot_bytes_before, old.slot_bytes_peak())
         self._replication_cpu_s_before += old.thread_cpu_s
         self.replicator = Replicator(*self._replication_args, old.replicas,
-                                     self.share_same_node, self.helper_nice)
+                                     self.share_same_node, self.helper_nice, self.shard_group)
         self.replica_peers_mapping = sorted(self.replicator.mapping_peers)
         self.replicator.before_payload = old.before_payload
 

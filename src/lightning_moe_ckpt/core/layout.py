@@ -20,7 +20,7 @@ before a single process is started.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -152,6 +152,12 @@ class ParallelPlan:
         """Global rank at a grid position."""
         return (((coords.pp * self.dp + coords.dp) * self.dp_shard + coords.dp_shard)
                 * self.ep + coords.ep)
+
+    def shard_group(self, rank: int) -> int:
+        """The shard group of ``rank``, named by its first rank: the ``dp_shard`` ranks
+        that hold the same stage, replica index and experts (each rank alone when
+        ``dp_shard`` is 1)."""
+        return self.rank_of(replace(self.coordinates(rank), dp_shard=0))
 
     def data_shard(self, coords: Coordinates) -> int:
         """Which data shard the rank at ``coords`` reads (the same on every stage)."""

@@ -81,13 +81,30 @@ __all__ = ["CorruptCheckpointError", "Replicator", "decode_snapshot",
            "encode_snapshot", "replica_peers", "verify_window"]
 
 
-def replica_peers(rank: int, world_size: int, replicas: int, ranks_per_node: int) -> list[int]:
-    """Peers that hold copies of ``rank``'s snapshots: other nodes first, ring order."""
+def replica_peers(rank: int, world_size: int, replicas: int, ranks_per_node: int,
+                  shard_group: Callable[[int], int] | None = None) -> list[int]:
+    """Peers that hold copies of ``rank``'s snapshots: other nodes first, ring order.
+
+    Args:
+        rank: The rank whose snapshots are copied.
+        world_size: Ranks in the job.
+        replicas: Copies wanted (capped by ``world_size - 1``).
+        ranks_per_node: Ranks each node runs (node ``n``: ranks ``n*R`` to ``n*R+R-1``).
+        shard_group: The shard group of a rank (sharded data parallelism); on either side
+            of the node rule, peers outside ``rank``'s own shard group come first.
+            ``None``: no shard groups.
+
+    Returns:
+        The peers, in the order they are asked for a window.
+    """
     ring = [(rank + k) % world_size for k in range(1, world_size)]
     node = rank // ranks_per_node
-    remote = [p for p in ring if p // ranks_per_node != node]
-    local = [p for p in ring if p // ranks_per_node == node]
-    return (remote + local)[:max(0, min(replicas, world_size - 1))]
+
+    def other_fate(peer: int) -> bool:
+        return shard_group is None or shard_group(peer) != shard_group(rank)
+
+    order = sorted(ring, key=lambda p: (p // ranks_per_node == node, not other_fate(p)))
+    return order[:max(0, min(replicas, world_size - 1))]
 
 
 def verify_window(snapshots: dict[int, dict[str, Any]], rank: int, window_start: int,
@@ -113,18 +130,18 @@ class Replicator:
                  on_replicated: Callable[[int, int], None],
                  replica_store: ReplicaStore | None = None,
                  share_same_node: bool = True,
-                 helper_nice: int = DEFAULT_HELPER_NICE) -> None:
+                 helper_nice: int = DEFAULT_HELPER_NICE,
+                 shard_group: Callable[[int], int] | None = None) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.replica_count, self.ranks_per_node = replicas, ranks_per_node
+        self.shard_group = shard_group  # peers outside a rank's shard group come first
         self.last_holder: int | None = None  # the replica peer the last fetch came from
         group = dist.new_group(backend="gloo")  # collective: every rank creates it
         # None once destroyed (after a transfer error, or once the thread stopped).
         self.group: dist.ProcessGroup | None = group
-        self.peers = replica_peers(self.rank, self.world_size, replicas, ranks_per_node)
-        self.sources = [s for s in range(self.world_size)
-                        if self.rank in replica_peers(s, self.world_size, replicas,
-                                                      ranks_per_node)]
+        self.peers = self.holders(self.rank)
+        self.sources = [s for s in range(self.world_size) if self.rank in self.holders(s)]
         self.replicas = replica_store if replica_store is not None else ReplicaStore()
         node = self.rank // ranks_per_node
         same_node = ({s for s in self.sources if s // ranks_per_node == node}
@@ -242,8 +259,7 @@ class Replicator:
         verified; when no holder has it intact, raises :class:`CorruptCheckpointError`
         naming rank, operator and iteration for every holder.
         """
-        holders = [p for p in replica_peers(source, self.world_size, self.replica_count,
-                                            self.ranks_per_node) if p not in exclude]
+        holders = [p for p in self.holders(source) if p not in exclude]
         problems = []
         for holder in holders:
             try:
@@ -292,6 +308,11 @@ class Replicator:
     def held_window_starts(self) -> set[int]:
         """Window starts of which this rank holds a replica of some source."""
         return {start for held in self.replicas.windows.values() for start in held}
+
+    def holders(self, source: int) -> list[int]:
+        """The replica peers of ``source``'s snapshots (:func:`replica_peers`)."""
+        return replica_peers(source, self.world_size, self.replica_count, self.ranks_per_node,
+                             self.shard_group)
 
     def live_group(self) -> dist.ProcessGroup:
         """The replication group, for a collective over it; an error naming the cause once
