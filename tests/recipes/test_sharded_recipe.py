@@ -59,6 +59,30 @@ def test_an_injected_failure_under_dp_shard_and_ep_recovers_bitwise(tmp_path: Pa
     assert ratio <= 0.55, ratio
 
 
+def test_a_durable_checkpoint_of_local_shards_resumes_and_recovers_bitwise(
+        tmp_path: Path) -> None:
+    """Each rank writes its local shards into the durable checkpoint (plain tensors, read
+    back without a device mesh). Every rank failing at once falls back to it, and a new run
+    started from it with ``ckpt_path`` ends bitwise equal to the uninterrupted run."""
+    common = (*SHARD_EP, "trainer.precision=bf16-master", "checkpoint.durable_every=2")
+    everyone = ", ".join(f"{{step: 11, rank: {rank}}}" for rank in range(4))
+    golden = _run(tmp_path / "golden", *common)
+    assert [Path(p).name for p in golden["durable_checkpoints"]] == ["step=7.ckpt"]
+    metrics = _run(tmp_path / "all_failed", *common, "faults=at",
+                   f"faults.events=[{everyone}]")
+    (recovery,) = metrics["recoveries"]
+    assert recovery["window_start"] == 7 and recovery["iterations_replayed"] == 4
+    assert metrics["loss"] == golden["loss"]
+    assert_states_equal(tmp_path / "golden" / "final_state.pt",
+                        tmp_path / "all_failed" / "final_state.pt")
+    checkpoint = golden["durable_checkpoints"][0]
+    resumed = _run(tmp_path / "resumed", *SHARD_EP, "trainer.precision=bf16-master",
+                   f"ckpt_path='{checkpoint}'")
+    assert resumed["loss"] == golden["loss"][7:]
+    assert_states_equal(tmp_path / "golden" / "final_state.pt",
+                        tmp_path / "resumed" / "final_state.pt")
+
+
 def test_a_real_kill_under_pp_and_dp_shard_recovers_the_shard_group_bitwise(
         tmp_path: Path) -> None:
     """``parallel.pp=2 parallel.dp_shard=2`` under the supervisor: rank 3 (stage 1) is

@@ -62,6 +62,23 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def shard_like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``value``, a rank's local shard read back from a file, as a DTensor laid out as
+    ``reference`` when that is one (and ``value`` is not); otherwise ``value``.
+
+    Args:
+        value: The tensor read back.
+        reference: The live tensor it belongs to (a parameter or its optimizer state).
+
+    Returns:
+        ``value`` in ``reference``'s layout.
+    """
+    if not isinstance(reference, DTensor) or isinstance(value, DTensor):
+        return value
+    return DTensor.from_local(value, reference.device_mesh, reference.placements,
+                              shape=reference.shape, stride=reference.stride())
+
+
 @dataclass(frozen=True)
 class Part:
     """A whole parameter (``index is None``) or its slice ``index`` along dim 0: the

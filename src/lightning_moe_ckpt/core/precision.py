@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_moe_ckpt.core.operators import local_tensor
+from lightning_moe_ckpt.core.operators import local_tensor, shard_like
 from lightning_moe_ckpt.errors import ConfigError
 
 Precision = Literal["32", "bf16-master"]
@@ -206,9 +206,12 @@ class MasterWeightAdamW(MasterWeightOptimizer):
         self.inner.state.clear()
         for name, entries in state_dict["state"].items():
             master = self.master[name]
-            moments = {k: v.clone() for k, v in entries.items() if k != "master"}
+            # A sharded model's durable checkpoint holds each rank's local shards.
+            moments = {k: shard_like(v.clone(), master) if v.dim() else v.clone()
+                       for k, v in entries.items() if k != "master"}
             if moments:
                 self.inner.state[master] = moments
             if "master" in entries:
-                master.copy_(entries["master"])
-                self.model_params[name].copy_(entries["master"])
+                saved = local_tensor(shard_like(entries["master"], master))
+                local_tensor(master).copy_(saved)
+                local_tensor(self.model_params[name]).copy_(saved)

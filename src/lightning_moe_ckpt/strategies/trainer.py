@@ -21,6 +21,7 @@ machines.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,11 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_moe_ckpt.core.operators import local_tensor, shard_like
 from lightning_moe_ckpt.failures.join import JoiningLoader
 from lightning_moe_ckpt.failures.rendezvous import await_assignment
 from lightning_moe_ckpt.failures.supervisor import is_replacement
@@ -163,8 +167,10 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvide
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
                         storage_options: Any | None = None) -> None:
-        # Every rank holds different stages and experts: each writes its own file into
-        # the checkpoint directory (same layout required to resume).
+        # Every rank holds different stages, experts and shards: each writes its own file
+        # into the checkpoint directory (same layout required to resume), a sharded
+        # tensor as its local shard (plain tensors: read back without its device mesh).
+        checkpoint = apply_to_collection(checkpoint, DTensor, local_tensor)
         checkpoint["moe_parallel_layout"] = self._layout_record()
         self.checkpoint_io.save_checkpoint(checkpoint, self.rank_checkpoint_path(filepath),
                                            storage_options=storage_options)
@@ -185,6 +191,24 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvide
             raise ValueError(f"ckpt_path={str(checkpoint_path)!r} was written with layout "
                              f"{layout}, this run uses {expected}")
         return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        live = module.state_dict()
+        state = {key: shard_like(value, live[key]) if key in live else value
+                 for key, value in checkpoint["state_dict"].items()}
+        module.load_state_dict(state, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        for optimizer in self.optimizers:  # a torch optimizer's state of sharded parameters
+            for param, state in optimizer.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim():
+                        state[key] = shard_like(value, param)
 
     def _layout_record(self) -> dict[str, Any]:
         """The layout a checkpoint is written in, which a resume must use too."""
