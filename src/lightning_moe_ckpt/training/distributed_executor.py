@@ -101,8 +101,10 @@ class DistributedExecutor:
         # parameter's by one replica of each shard, in a slot of its own.
         self.owns_norm = {name: coords.dp == 0 and (self.is_expert[name] or coords.ep == 0)
                           for name in names}
-        self.norm_slots = plan.dp_shard
-        self.norm_slot = coords.dp_shard
+        shards = plan.dp_shard
+        self.norm_size = len(full_names) * shards
+        self.norm_index = {name: index * shards + coords.dp_shard
+                           for name, index in self.index.items()}
 
     def release(self) -> None:
         """Drop every reference this executor holds to its process groups: the pipeline
@@ -173,12 +175,7 @@ class DistributedExecutor:
         device = next(self.model.parameters()).device
         owned = {name: local_tensor(grad) for name, grad in grads.items()
                  if self.owns_norm[name]}
-        if self.norm_slots == 1:
-            vector = norm_vector(owned, self.index, len(self.index), device)
-        else:
-            slots = {name: index * self.norm_slots + self.norm_slot
-                     for name, index in self.index.items()}
-            vector = norm_vector(owned, slots, len(self.index) * self.norm_slots, device)
+        vector = norm_vector(owned, self.norm_index, self.norm_size, device)
         if not self.replaying:  # replay supplies the logged clip coefficient instead
             dist.all_reduce(vector, group=self.groups.world)
         return torch.linalg.vector_norm(vector)
