@@ -135,10 +135,7 @@ class ParallelPlan:
 
     def describe(self) -> str:
         """The layout as its settings, e.g. ``parallel.pp=2 x parallel.dp=1 x ...``."""
-        sizes = [("pp", self.pp), ("dp", self.dp), ("ep", self.ep)]
-        if self.dp_shard > 1:
-            sizes.insert(2, ("dp_shard", self.dp_shard))
-        return " x ".join(f"parallel.{key}={value}" for key, value in sizes)
+        return describe_layout(self.pp, self.dp, self.ep, self.dp_shard)
 
     def coordinates(self, rank: int) -> Coordinates:
         """Grid position of a global rank."""
@@ -182,6 +179,24 @@ class ParallelPlan:
         """The ``dp x dp_shard x ep`` global ranks of one pipeline stage."""
         return [self.rank_of(Coordinates(pp_rank, d, e, s))
                 for d in range(self.dp) for s in range(self.dp_shard) for e in range(self.ep)]
+
+
+def describe_layout(pp: int, dp: int | str | None, ep: int, dp_shard: int) -> str:
+    """A layout as its settings, e.g. ``parallel.pp=2 x parallel.dp=1 x parallel.ep=2``.
+
+    Args:
+        pp: Pipeline ranks.
+        dp: Data-parallel replicas; ``None``: left out (not resolved yet).
+        ep: Expert-parallel ranks.
+        dp_shard: Shard-group size; named only when above 1.
+
+    Returns:
+        The settings joined by `` x ``.
+    """
+    sizes: list[tuple[str, object]] = [("pp", pp), ("dp", dp), ("ep", ep)]
+    if dp_shard > 1:
+        sizes.insert(2, ("dp_shard", dp_shard))
+    return " x ".join(f"parallel.{key}={value}" for key, value in sizes if value is not None)
 
 
 def build_mesh(plan: ParallelPlan, device_type: str) -> DeviceMesh:

@@ -17,6 +17,7 @@ from lightning_moe_ckpt.core.layout import (
     Coordinates,
     ParallelPlan,
     build_mesh,
+    describe_layout,
     mesh_coordinates,
 )
 from lightning_moe_ckpt.errors import ConfigError
@@ -70,20 +71,14 @@ class MoEParallelCore:
         if self.dp == "auto":
             if world_size % others:
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by {self._describe(None)}")
+                    f"world size {world_size} is not divisible by "
+                    f"{describe_layout(self.pp, None, self.ep, self.dp_shard)}")
             self.dp = world_size // others
         if not isinstance(self.dp, int) or others * self.dp != world_size:
             raise ConfigError(
-                f"{self._describe(self.dp)} = {others * int(self.dp)} processes, but the "
+                f"{describe_layout(self.pp, self.dp, self.ep, self.dp_shard)} = "
+                f"{others * int(self.dp)} processes, but the "
                 f"launcher provides world size {world_size} (devices x nodes)")
-
-    def _describe(self, dp: int | str | None) -> str:
-        """The layout's settings, ``dp`` left out when ``None``."""
-        sizes: list[tuple[str, object]] = [("pp", self.pp), ("dp", dp), ("ep", self.ep)]
-        if self.dp_shard > 1:
-            sizes.insert(2, ("dp_shard", self.dp_shard))
-        return " x ".join(f"parallel.{key}={value}" for key, value in sizes
-                          if value is not None)
 
     @property
     def plan_shape(self) -> ParallelPlan:
