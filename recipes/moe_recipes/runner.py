@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.callbacks import DurableCheckpoints, SparseCheckpointing
+from lightning_moe_ckpt.callbacks.durable_checkpoints import checkpoint_layout
 from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE, launcher_ranks_per_node
 from lightning_moe_ckpt.core.target import IterationAborted
-from lightning_moe_ckpt.errors import require
+from lightning_moe_ckpt.errors import NoUsableCheckpointError, require
 from lightning_moe_ckpt.failures.rendezvous import (
     await_assignment,
     exit_on_error,
@@ -40,9 +40,11 @@ from lightning_moe_ckpt.failures.rendezvous import (
     join_as_launcher_task,
     supervised,
 )
-from lightning_moe_ckpt.failures.supervisor import ENV_SPARE, is_replacement
+from lightning_moe_ckpt.failures.supervisor import ENV_SPARE, EXIT_UNRECOVERABLE, is_replacement
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
-from lightning_moe_ckpt.recovery import newest_complete_durable
+from lightning_moe_ckpt.recovery import newest_committed_durable
+from lightning_moe_ckpt.recovery.durable import check_layout
+from lightning_moe_ckpt.recovery.manifest import read_manifest
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
 from lightning_moe_ckpt.testing import FailureInjector
 from lightning_moe_ckpt.testing.faults import schedule_from_config
@@ -64,6 +66,7 @@ from moe_recipes.outputs import (
     METRICS,
     PLOT,
     STRUCK_FAULTS,
+    WORKERS,
     gather_cpu_ms,
     plot_training,
     write_metrics,
@@ -184,7 +187,6 @@ def _train_with_trainer(settings: RunSettings, data: RunData,
         default_root_dir=settings.out_dir, use_distributed_sampler=False,
         callbacks=[c for c in (checkpointing, injector, recovery, _progress_bar(settings))
                    if c is not None],
-        plugins=[AsyncCheckpointIO()] if settings.checkpoint.durable_every else None,
         **_launch_settings(settings),
     )
     trainer.fit(module, ckpt_path=settings.ckpt_path)
@@ -222,7 +224,7 @@ def _train_hf_with_trainer(settings: RunSettings, data: RunData,
         callbacks=[c for c in (checkpointing, injector, _progress_bar(settings))
                    if c is not None],
         **_launch_settings(settings))
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=settings.ckpt_path)
     if checkpointing is not None and checkpointing.peer_failures is not None:
         checkpointing.peer_failures.job.stop_heartbeat()
     if isinstance(strategy, TrainerMoEParallelStrategy):
@@ -252,6 +254,9 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     engine.batch = lambda t: data.train.iteration(t, shard)  # replay reads the sampler
     _, wrapped_optimizer = fabric.setup(engine.model, engine.optimizer)
     job = job_store(settings)
+    layout = checkpoint_layout(strategy, fabric.world_size)
+    if settings.ckpt_path is not None and (job is None or job.replaces is None):
+        _resume_fabric(settings.ckpt_path, engine, checkpointing, fabric.global_rank, layout)
     if checkpointing is not None:
         # A replacement starts empty: its state comes from its peers in the recovery.
         checkpointing.attach(engine, rank=fabric.global_rank, world_size=fabric.world_size,
@@ -296,6 +301,10 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
             fabric.log_dict(values, step=done - 1)
             if show:
                 steps.set_postfix(loss=f"{float(result.loss):.3f}")
+        if checkpointing is not None and checkpointing.durable.due(done):
+            checkpointing.durable.write_rank_state(
+                done, fabric.global_rank, fabric.world_size, layout,
+                {**engine.durable_state(), "planner": checkpointing.state_dict()["planner"]})
         if history.memory_due(done, settings.max_steps):
             history.sample_memory(done, 0 if checkpointing is None else checkpointing.host_bytes())
         if done % settings.val_every == 0 or done == settings.max_steps:
@@ -313,6 +322,21 @@ def _train_with_fabric(settings: RunSettings, data: RunData,
     return TrainedState(engine, settings.max_steps, fabric.global_rank, shard,
                         strategy.core if distributed else None, checkpointing, injector, peer,
                         handler)
+
+
+def _resume_fabric(ckpt_path: str, engine: TrainingEngine,
+                   checkpointing: SparseCheckpointing | None, rank: int,
+                   layout: dict[str, Any]) -> None:
+    """A Fabric loop resumed from a durable checkpoint: this rank's file, verified, back
+    into the engine (and the planner's state into the checkpointing, before it attaches).
+    """
+    manifest = read_manifest(ckpt_path)
+    check_layout(ckpt_path, manifest, layout)
+    state = DurableCheckpoints.load_rank_state(ckpt_path, rank)
+    engine.load_durable_state(state)
+    if checkpointing is not None:
+        checkpointing.load_state_dict({"policy": checkpointing.policy,
+                                       "planner": state.get("planner")})
 
 
 def _comparison_checkpointing(settings: RunSettings, engine: TrainingEngine, rank: int,
@@ -339,21 +363,47 @@ def _comparison_checkpointing(settings: RunSettings, engine: TrainingEngine, ran
 
 def _resume_settings(settings: RunSettings) -> RunSettings:
     """The job started again (the same command, ``ckpt_path`` left out) resumes from its
-    newest complete durable checkpoint, when the durable tier wrote one: after a failure
-    with no replacement left (the supervisor's exit code ``EXIT_NO_SPARE``), or any stop.
-    A replacement or a spare joins the running job instead."""
+    newest committed durable checkpoint that verifies, when the durable tier wrote one:
+    after a failure with no replacement left (the supervisor's exit code
+    ``EXIT_NO_SPARE``), a preemption, or any stop; with any model family and either API.
+    A replacement or a spare joins the running job instead.
+
+    Raises:
+        NoUsableCheckpointError: Committed checkpoints are there but none verifies.
+        ConfigError: The newest was written by another layout.
+    """
     checkpoint = settings.checkpoint
-    if (settings.ckpt_path is not None or checkpoint.durable_every is None
-            or checkpoint.durable_dir is None or settings.api != "trainer"
-            or settings.model.family != "builtin" or is_replacement()
-            or ENV_SPARE in os.environ):
+    if settings.ckpt_path is not None or is_replacement() or ENV_SPARE in os.environ:
         return settings
-    newest = newest_complete_durable(checkpoint.durable_dir, settings.layout.world_size)
+    first = os.environ.get("RANK", "0") == "0"
+    if checkpoint.durable_every is None or checkpoint.durable_dir is None:
+        if first and _earlier_run_in(Path(settings.out_dir)):
+            log.warning("starting afresh at step 0: out_dir=%s holds an earlier run, but "
+                        "checkpoint.durable_every is not set, so it left no durable "
+                        "checkpoint to resume from", settings.out_dir)
+        return settings
+    newest = newest_committed_durable(checkpoint.durable_dir, layout=_checkpoint_layout(settings))
     if newest is None:
         return settings
-    log.warning("resuming from the newest complete durable checkpoint %s (started again "
-                "with checkpoint.durable_every set and no ckpt_path)", newest)
+    if first:
+        log.warning("resuming from the newest committed durable checkpoint %s (started again "
+                    "with checkpoint.durable_every set and no ckpt_path)", newest)
     return replace(settings, ckpt_path=newest)
+
+
+def _checkpoint_layout(settings: RunSettings) -> dict[str, Any]:
+    """The layout this run's durable checkpoints are written in (as their manifests say)."""
+    plan = settings.layout
+    if plan.world_size == 1:
+        return {"world_size": 1}
+    return {"pp": plan.pp, "dp": plan.dp, "dp_shard": plan.dp_shard, "ep": plan.ep,
+            "world_size": plan.world_size}
+
+
+def _earlier_run_in(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds what an earlier run of the job left (its faults, its
+    workers, its logs)."""
+    return any((out_dir / name).exists() for name in (STRUCK_FAULTS, WORKERS, "csv"))
 
 
 def run_training(cfg: DictConfig) -> dict[str, Any]:
@@ -363,7 +413,12 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     if supervised():  # a launcher's task takes its place in the job first (rank or spare)
         with exit_on_error():
             join_as_launcher_task(job_layout(settings))
-    settings = _resume_settings(settings)
+    try:
+        settings = _resume_settings(settings)
+    except NoUsableCheckpointError as error:  # one line, and never a silent step 0
+        log.error("%s", error)
+        logging.shutdown()
+        raise SystemExit(EXIT_UNRECOVERABLE) from None
     if settings.ranks_per_node is not None:  # every rank's node, for replica placement
         os.environ.setdefault(ENV_RANKS_PER_NODE, str(settings.ranks_per_node))
     if needs_supervisor(settings):

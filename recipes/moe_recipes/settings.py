@@ -320,16 +320,7 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
     precision = parse_precision(trainer.get("precision", "32"))
     api = str(cfg.get("api", "trainer"))
     require(api in ("trainer", "fabric"), f"{fmt('api', api)} must be 'trainer' or 'fabric'")
-    require(cfg.get("ckpt_path") is None or api == "trainer",
-            f"{fmt('ckpt_path', cfg.get('ckpt_path'))} resumes a Lightning checkpoint with "
-            f"api=trainer; api={api} would train from scratch")
-    require(cfg.get("ckpt_path") is None or model.family == "builtin",
-            f"{fmt('ckpt_path', cfg.get('ckpt_path'))} resumes the built-in model; "
-            f"model.family={model.family!r} would train from scratch")
     checkpoint = _checkpoint_settings(_section(cfg, "checkpoint"))
-    require(checkpoint.durable_every is None or api == "trainer",
-            f"{fmt('checkpoint.durable_every', checkpoint.durable_every)} writes Lightning "
-            f"checkpoints from the Trainer's loop; api={api} would write none")
     settings = RunSettings(
         model=model, data=data, layout=layout, hardware=hardware, optim=optim,
         checkpoint=checkpoint, precision=precision,

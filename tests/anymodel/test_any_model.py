@@ -253,7 +253,8 @@ def test_a_durable_checkpoint_resumes_a_dropout_model_bitwise(tmp_path: Path) ->
     """The durable checkpoint carries the RNG: a plain ckpt_path resume at an epoch
     boundary (4 batches an epoch) draws the same dropout masks as the run it came from."""
     reference, checkpointing = _dropout_fit(10, tmp_path / "a")
-    boundary = next(p for p in checkpointing.durable.saved if p.endswith("step=4.ckpt"))
+    boundary = next(p for p in checkpointing.durable.committed()
+                    if p.endswith("step=4.ckpt"))
     assert RNG_KEY in torch.load(boundary, weights_only=False)
     torch.manual_seed(12345)  # whatever the RNG holds before the resume
     resumed, _ = _dropout_fit(10, tmp_path / "b", ckpt_path=boundary)

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
-from lightning_moe_ckpt.recovery import newest_complete_durable
+from lightning_moe_ckpt.recovery import newest_committed_durable
 from tests.anymodel.models import LMModule, qwen3_moe
 
 STEPS = 20
@@ -53,11 +53,11 @@ Fitted = tuple[dict[str, torch.Tensor], dict[str, Any], dict[int, list[int]]]
 
 
 def _fit(steps: int, durable: Path, rows: int, ckpt: str | None = None,
-         shuffle: bool = True) -> Fitted:
+         shuffle: bool = True, every: int = 1) -> Fitted:
     torch.manual_seed(0)
     module = ScheduledLM(qwen3_moe(seed=0))
-    checkpointing = SparseCheckpointing("moevement", replicas=0, window=3, durable_every=1,
-                                        durable_dir=str(durable))
+    checkpointing = SparseCheckpointing("moevement", replicas=0, window=3,
+                                        durable_every=every, durable_dir=str(durable))
     batches = Batches()
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
@@ -73,14 +73,15 @@ def _fit(steps: int, durable: Path, rows: int, ckpt: str | None = None,
 @pytest.mark.parametrize(("rows", "stop_at", "resumed_at", "batches_trained"), [
     (16, 12, 10, 2),  # 8 batches an epoch: step 10 is the third batch of epoch 1
     (14, 8, 7, 7),  # 7 batches an epoch: step 7 follows epoch 0's last batch
-], ids=["mid-epoch", "after-an-epoch"])
+], ids=["mid-epoch", "after-an-epoch"])  # a durable checkpoint every resumed_at steps
 @pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "in-order"])
 def test_a_resumed_run_reads_the_same_batches_and_ends_bitwise(
         tmp_path: Path, rows: int, stop_at: int, resumed_at: int,
         batches_trained: int, shuffle: bool) -> None:
     full, full_state, full_batches = _fit(STEPS, tmp_path / "full", rows, shuffle=shuffle)
-    _fit(stop_at, tmp_path / "stopped", rows, shuffle=shuffle)  # its durable ckpts remain
-    newest = newest_complete_durable(tmp_path / "stopped", world_size=1)
+    _fit(stop_at, tmp_path / "stopped", rows, shuffle=shuffle,
+         every=resumed_at)  # its durable checkpoints remain
+    newest = newest_committed_durable(tmp_path / "stopped", layout={"world_size": 1})
     assert newest is not None and Path(newest).name == f"step={resumed_at}.ckpt"
     position = torch.load(newest, weights_only=False)["lightning_moe_ckpt/data_position"]
     assert position["batches"] == batches_trained
@@ -110,5 +111,5 @@ def test_a_loader_it_cannot_position_is_named_when_a_checkpoint_is_taken(
         warnings.simplefilter("always")
         trainer.fit(module, _loader(16, generator=False))
     named = [w for w in caught if re.search(position_warning, str(w.message))]
-    assert (len(checkpointing.durable.saved) > 1) == bool(durable_every)
+    assert (len(checkpointing.durable.committed()) > 1) == bool(durable_every)
     assert len(named) == (1 if durable_every else 0)  # once, however many checkpoints

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_moe_ckpt.recovery.manifest import verify
 from lightning_moe_ckpt.replication.replicator import decode_snapshot
 from lightning_moe_ckpt.snapshots.checksum import default_threads
 from lightning_moe_ckpt.snapshots.helper_threads import DEFAULT_HELPER_NICE
@@ -78,11 +79,10 @@ def test_durable_checkpoint_resumes_bitwise_with_plain_ckpt_path(
     and named instead of silently not firing."""
     common = ("trainer.max_steps=16", "checkpoint.window=3", f"trainer.precision={precision}",
               *layout)
-    full = run_recipe(tmp_path / "full", *common, "checkpoint.durable_every=2")
+    full = run_recipe(tmp_path / "full", *common, "checkpoint.durable_every=7")
     assert full.returncode == 0, full.stderr[-4000:]
     saved = json.loads((tmp_path / "full" / "metrics.json").read_text())["durable_checkpoints"]
-    # after the 2nd persisted window (3..5) and the 4th (9..11)
-    assert [Path(p).name for p in saved] == ["step=7.ckpt", "step=13.ckpt"]
+    assert [Path(p).name for p in saved] == ["step=7.ckpt", "step=14.ckpt"]
     resumed = run_recipe(tmp_path / "resumed", *common, f"ckpt_path='{saved[0]}'",
                          "faults=at", "faults.events=[{step: 3, rank: 0}, {step: 11, rank: 0}]")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -99,16 +99,19 @@ def test_durable_checkpoint_resumes_bitwise_with_plain_ckpt_path(
     assert losses_resumed == losses_full[7:]
 
 
-def test_durable_retention_keeps_only_the_newest_checkpoints(tmp_path: Path) -> None:
-    """Every persisted window writes a durable checkpoint; only ``durable_keep`` remain."""
-    result = run_recipe(tmp_path, "trainer.max_steps=40", "checkpoint.window=2",
-                        "checkpoint.durable_every=1", "checkpoint.durable_keep=2")
+def test_durable_retention_keeps_only_the_newest_committed_checkpoints(tmp_path: Path) -> None:
+    """A durable checkpoint every 3 steps, each committed by its manifest; only the newest
+    ``durable_keep`` remain, and nothing a write leaves on the way (temporary files,
+    parts)."""
+    result = run_recipe(tmp_path, "trainer.max_steps=12", "checkpoint.window=2",
+                        "checkpoint.durable_every=3", "checkpoint.durable_keep=2")
     assert result.returncode == 0, result.stderr[-4000:]
     saved = json.loads((tmp_path / "metrics.json").read_text())["durable_checkpoints"]
-    on_disk = sorted((tmp_path / "durable").glob("step=*.ckpt"),
-                     key=lambda p: int(p.stem.split("=")[1]))
-    assert [p.name for p in on_disk] == [Path(p).name for p in saved]
-    assert len(on_disk) == 2 and on_disk[-1].name == "step=39.ckpt", on_disk
+    assert [Path(p).name for p in saved] == ["step=9.ckpt", "step=12.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "durable").iterdir()) == [
+        "step=12.ckpt", "step=12.manifest.json", "step=9.ckpt", "step=9.manifest.json"]
+    for path in saved:
+        verify(path)  # every byte as its manifest says
 
 
 def test_checksum_threads_setting_reaches_the_snapshot_engine(tmp_path: Path) -> None:

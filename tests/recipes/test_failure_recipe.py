@@ -73,7 +73,7 @@ def test_failure_of_every_rank_falls_back_to_the_durable_checkpoint(tmp_path: Pa
     everyone = ("faults=at", "faults.events=[{step: 11, rank: 0}, {step: 11, rank: 1}]")
     golden = run_recipe(tmp_path / "golden", *common)
     assert golden.returncode == 0, golden.stderr[-4000:]
-    durable = run_recipe(tmp_path / "durable", *common, *everyone, "checkpoint.durable_every=2",
+    durable = run_recipe(tmp_path / "durable", *common, *everyone, "checkpoint.durable_every=4",
                          f"checkpoint.durable_dir={tmp_path / 'durable' / 'ckpt'}")
     assert durable.returncode == 0, durable.stderr[-4000:]
     metrics = json.loads((tmp_path / "durable" / "metrics.json").read_text())

@@ -64,7 +64,7 @@ def test_a_durable_checkpoint_of_local_shards_resumes_and_recovers_bitwise(
     """Each rank writes its local shards into the durable checkpoint (plain tensors, read
     back without a device mesh). Every rank failing at once falls back to it, and a new run
     started from it with ``ckpt_path`` ends bitwise equal to the uninterrupted run."""
-    common = (*SHARD_EP, "trainer.precision=bf16-master", "checkpoint.durable_every=2")
+    common = (*SHARD_EP, "trainer.precision=bf16-master", "checkpoint.durable_every=7")
     everyone = ", ".join(f"{{step: 11, rank: {rank}}}" for rank in range(4))
     golden = _run(tmp_path / "golden", *common)
     assert [Path(p).name for p in golden["durable_checkpoints"]] == ["step=7.ckpt"]

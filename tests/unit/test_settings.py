@@ -101,11 +101,6 @@ def test_unknown_preset_names_group_and_value() -> None:
                                      r"data=textfile; data=stdlib does not use it"),
     (["data=textfile", "+data.val_percent=3"], r"data\.val_percent=3 is a setting of"),
     (["data.name=foo"], r"data\.name='foo' is unknown"),
-    (["api=fabric", "+ckpt_path=a.ckpt"], r"ckpt_path='a\.ckpt' resumes .* api=trainer"),
-    (["model=hf_qwen3_moe", "+ckpt_path=a.ckpt"],
-     r"ckpt_path='a\.ckpt' resumes the built-in model; model\.family='hf_qwen3_moe'"),
-    (["api=fabric", "checkpoint.durable_every=2"],
-     r"checkpoint\.durable_every=2 writes Lightning checkpoints .* api=fabric"),
     (["model.vocab_size=10"], r"model\.vocab_size=10 is smaller than data=stdlib's "
                               r"vocabulary of 256"),
     (["api=fabric", "checkpoint=lightning", "checkpoint.max_overhead=7"],

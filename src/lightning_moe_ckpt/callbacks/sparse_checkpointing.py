@@ -39,7 +39,13 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_moe_ckpt.callbacks.durable_checkpoints import DurableCheckpoints
+from lightning_moe_ckpt.callbacks.committed_io import checkpoint_io_replaceable
+from lightning_moe_ckpt.callbacks.durable_checkpoints import (
+    DurableCheckpoints,
+    checkpoint_layout,
+    install_committed_io,
+    verify_resumed,
+)
 from lightning_moe_ckpt.callbacks.planner_profiling import PlannerProfiling
 from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
 from lightning_moe_ckpt.core.nodes import launcher_ranks_per_node
@@ -108,10 +114,12 @@ class SparseCheckpointing(L.Callback, StepHooks):
         replicas: Each snapshot goes to this many peers, on other nodes first.
         warmup_iterations: Iterations profiled (iteration time, device-to-host bandwidth)
             before the first window is planned.
-        durable_every: Write a dense Lightning checkpoint into ``durable_dir`` every N-th
-            window (Trainer only); ``None``: no durable checkpoints.
+        durable_every: Take a committed dense checkpoint into ``durable_dir`` after every
+            N-th optimizer step (global steps N, 2N, ...); ``None``: no durable
+            checkpoints.
         durable_dir: Where durable checkpoints go; required with ``durable_every``.
-        durable_keep: Newest durable checkpoints kept; older ones are deleted.
+        durable_keep: Newest committed durable checkpoints kept; an older one is removed
+            once a newer one is committed.
         upstream_logging: Log pipeline-boundary tensors so that only failed stages roll
             back (localized rollback); ``False``: every rank rolls back (global rollback).
         operators: Overrides operator discovery for a user's model: a mapping of
@@ -167,7 +175,6 @@ class SparseCheckpointing(L.Callback, StepHooks):
                 f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
                 f"{', '.join(map(repr, SAME_NODE_REPLICAS))}")
         self.durable = DurableCheckpoints(durable_every, durable_dir, durable_keep)
-        self._window_taken_before: int | None = None  # as of the previous batch's end
         self.policy = policy
         self.replicas = replicas
         self.same_node_replicas = same_node_replicas
@@ -244,7 +251,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
             self._pending_state = None
         # The state before the next step, kept (and replicated) as the first checkpoint.
         before = target.step - 1
-        self.durable.start_at(target.step)
+        self.durable.start(rank, target.step, fresh=take_initial)
         initial = CapturePlan(before, tuple(registry.names), (), before, 0, 1, None)
         disk_dir = None
         if self.policy == "checkfreq":  # CheckFreq persists its dense snapshots to disk
@@ -306,9 +313,10 @@ class SparseCheckpointing(L.Callback, StepHooks):
             self._upstream_log_peak = max(self._upstream_log_peak, self.upstream_log.nbytes())
 
     def close(self) -> None:
-        """Finish outstanding copies and replication."""
+        """Finish outstanding copies, replication and durable writes."""
         if self.coordinator is not None:
             self.coordinator.close()
+        self.durable.close()
         if isinstance(self.target, UserLoopTarget):
             self.target.close()
 
@@ -333,7 +341,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
         figures["routing_telemetry"] = target.routing_source
         if target.batch_log is not None:
             figures["batch_log_bytes_peak"] = target.batch_log.peak_bytes
-        figures["durable_checkpoints"] = list(self.durable.saved)
+        figures["durable_checkpoints"] = self.durable.committed()
+        figures["durable_failures"] = list(self.durable.failures)
         figures["upstream_log_bytes_peak"] = self._upstream_log_peak
         return figures
 
@@ -371,6 +380,10 @@ class SparseCheckpointing(L.Callback, StepHooks):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, MoEParallelStrategy):
             self.hook_into(trainer.strategy.core)
+        # Atomic writes, and loads of durable checkpoints verified against their manifests.
+        if self.durable.enabled or checkpoint_io_replaceable(trainer.strategy.checkpoint_io):
+            self.durable.io = install_committed_io(trainer)
+            self.durable.io.layout = checkpoint_layout(trainer.strategy, trainer.world_size)
         if (isinstance(trainer.strategy, ModelParallelStrategy) and stage == "fit"
                 and trainer.world_size > 1 and supervised()):
             # Before the DataLoaders are processed: a replacement starts where the job is.
@@ -438,12 +451,10 @@ class SparseCheckpointing(L.Callback, StepHooks):
             values = self.step_values()
             if values:
                 pl_module.log_dict(values, rank_zero_only=True)
-        if self.coordinator is not None:
-            # A durable checkpoint is a collective (the Trainer's barriers): every rank
-            # decides at the same step, the one after a window's last snapshot was issued.
-            if self.durable.due(self._window_taken_before):
-                self.durable.write(trainer)
-            self._window_taken_before = self.coordinator.newest_taken_window
+        # A durable checkpoint is a collective (the Trainer's barriers): every rank takes
+        # it at the same steps, a function of the step alone.
+        if self.coordinator is not None and self.durable.due(trainer.global_step):
+            self.durable.write(trainer)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -462,6 +473,9 @@ class SparseCheckpointing(L.Callback, StepHooks):
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
+        if trainer.ckpt_path is not None:  # also what the strategy loaded itself (DCP)
+            verify_resumed(trainer.ckpt_path,
+                           checkpoint_layout(trainer.strategy, trainer.world_size))
         if RNG_KEY in checkpoint:  # a plain ckpt_path resume continues with the same draws
             restore_rng(checkpoint[RNG_KEY])
         if DATA_POSITION_KEY in checkpoint:  # and reads the same batches, mid-epoch too

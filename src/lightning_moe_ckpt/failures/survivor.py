@@ -38,13 +38,8 @@ from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
 from lightning_moe_ckpt.core.collectives import all_gather_values
 from lightning_moe_ckpt.core.target import StepHooks, TrainingTarget
 from lightning_moe_ckpt.failures.rendezvous import JobStore
-from lightning_moe_ckpt.recovery.api import (
-    DurableFallback,
-    RecoveryOutcome,
-    RecoveryRequest,
-    recover,
-)
-from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
+from lightning_moe_ckpt.recovery.api import RecoveryOutcome, RecoveryRequest, recover
+from lightning_moe_ckpt.recovery.durable import DurableSource, NoUsableCheckpointError
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 
 log = logging.getLogger("lightning_moe_ckpt")
@@ -66,7 +61,7 @@ class PeerFailureHandler(StepHooks):
     warm_up: WarmUp
     backend: str
     upstream_log: UpstreamLog | None = None
-    durable: DurableFallback | None = None
+    durable: DurableSource | None = None
     # Called once the iteration to recover is agreed, before the state is touched: where
     # a real fault "during a recovery" strikes (the failure injector sets it).
     recovery_started: Callable[[int], None] = lambda failed_step: None

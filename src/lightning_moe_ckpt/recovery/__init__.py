@@ -9,13 +9,8 @@ replay from its neighbours' logs; :mod:`~lightning_moe_ckpt.recovery.scope` comp
 ranks roll back (paper §3.4 and Appendix A) and which pause.
 """
 
-from lightning_moe_ckpt.recovery.api import (
-    DurableFallback,
-    RecoveryOutcome,
-    RecoveryRequest,
-    recover,
-)
-from lightning_moe_ckpt.recovery.durable import newest_complete_durable
+from lightning_moe_ckpt.recovery.api import RecoveryOutcome, RecoveryRequest, recover
+from lightning_moe_ckpt.recovery.durable import DurableSource, newest_committed_durable
 from lightning_moe_ckpt.recovery.scope import (
     RecoveryScope,
     adjacent,
@@ -32,7 +27,7 @@ from lightning_moe_ckpt.recovery.upstream_log import (
     UpstreamLog,
 )
 
-__all__ = ["Cascade", "CheckpointSide", "DurableFallback", "IterationScalars", "LogBufferPool",
+__all__ = ["Cascade", "CheckpointSide", "DurableSource", "IterationScalars", "LogBufferPool",
            "LoggedBatch", "RecoveryOutcome", "RecoveryReport", "RecoveryRequest",
-           "RecoveryScope", "UpstreamLog", "adjacent", "newest_complete_durable",
+           "RecoveryScope", "UpstreamLog", "adjacent", "newest_committed_durable",
            "paused_ranks", "recover", "recovery_scopes", "restarted"]

@@ -22,12 +22,10 @@ recovery fails with :class:`~lightning_moe_ckpt.recovery.durable.NoUsableCheckpo
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from lightning_moe_ckpt.recovery.baselines import is_baseline, recover_baseline
-from lightning_moe_ckpt.recovery.durable import recover_from_durable
+from lightning_moe_ckpt.recovery.durable import DurableSource, recover_from_durable
 from lightning_moe_ckpt.recovery.global_rollback import global_rollback
 from lightning_moe_ckpt.recovery.localized import localized_rollback
 from lightning_moe_ckpt.recovery.scope import recovery_scopes
@@ -67,19 +65,6 @@ class RecoveryRequest:
                              "its host memory, an ahead one kept it")
 
 
-@dataclass(frozen=True)
-class DurableFallback:
-    """Where the newest durable checkpoints are (``trainer`` loads them).
-
-    Args:
-        trainer: The Lightning Trainer that loads them.
-        saved: Paths of the durable checkpoints, oldest first (default: none).
-    """
-
-    trainer: Any
-    saved: Sequence[str] = field(default_factory=tuple)
-
-
 @dataclass
 class RecoveryOutcome:
     """This rank's report (``None`` when it only paused) and the ranks rolled back.
@@ -95,7 +80,7 @@ class RecoveryOutcome:
 
 def recover(request: RecoveryRequest, coordinator: CheckpointSide,
             upstream_log: UpstreamLog | None = None,
-            durable: DurableFallback | None = None) -> RecoveryOutcome:
+            durable: DurableSource | None = None) -> RecoveryOutcome:
     """Bring this rank back to the state before ``request.failed_step`` (collective when
     the world has several ranks); the target then runs that iteration as if nothing
     happened.
@@ -119,9 +104,7 @@ def recover(request: RecoveryRequest, coordinator: CheckpointSide,
         return _recover(request, coordinator, upstream_log)
     except CorruptCheckpointError as error:  # raised alike on every rank
         target = coordinator.target
-        report = recover_from_durable(None if durable is None else durable.trainer, target,
-                                      () if durable is None else durable.saved,
-                                      request.failed_step, error)
+        report = recover_from_durable(durable, target, request.failed_step, error)
         resuming = time.perf_counter()
         coordinator.restart(request.failed_step)
         report.phases_s["resume"] = time.perf_counter() - resuming

@@ -80,6 +80,12 @@ class MoEParallelCore:
                 f"{others * int(self.dp)} processes, but the "
                 f"launcher provides world size {world_size} (devices x nodes)")
 
+    def layout_record(self, world_size: int) -> dict[str, int | str]:
+        """The layout a checkpoint is written in (one file per rank), which a resume must
+        use too."""
+        return {"pp": self.pp, "dp": self.dp, "dp_shard": self.dp_shard, "ep": self.ep,
+                "world_size": world_size}
+
     @property
     def plan_shape(self) -> ParallelPlan:
         """The mesh's shape as a plan (sizes only: no model, a single micro-batch)."""

@@ -212,8 +212,7 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvide
 
     def _layout_record(self) -> dict[str, Any]:
         """The layout a checkpoint is written in, which a resume must use too."""
-        return {"pp": self.core.pp, "dp": self.core.dp, "dp_shard": self.core.dp_shard,
-                "ep": self.core.ep, "world_size": self.world_size}
+        return self.core.layout_record(self.world_size)
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:

@@ -37,7 +37,7 @@ from lightning_moe_ckpt.core.collectives import all_gather_values
 from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
 from lightning_moe_ckpt.errors import ConfigError, InjectedFailure
 from lightning_moe_ckpt.failures.supervisor import is_replacement
-from lightning_moe_ckpt.recovery.api import DurableFallback, RecoveryRequest, recover
+from lightning_moe_ckpt.recovery.api import RecoveryRequest, recover
 from lightning_moe_ckpt.recovery.baselines import is_baseline
 from lightning_moe_ckpt.recovery.sparse_to_dense import Cascade, RecoveryReport
 from lightning_moe_ckpt.testing.faults import (
@@ -186,7 +186,7 @@ class FailureInjector(L.Callback, StepHooks):
         recovering = time.perf_counter()  # failure handled, state lost: recovery begins
         outcome = recover(RecoveryRequest(step, tuple(failed), cascade), coordinator,
                           self.checkpointing.upstream_log,
-                          DurableFallback(self.trainer, tuple(self.checkpointing.durable.saved)))
+                          self.checkpointing.durable.source(self.trainer))
         summary = self._agree_on_summary(outcome.report)
         timings = {"detect": recovering - detected, **summary["timings_s"],
                    "total": time.perf_counter() - detected}

@@ -13,10 +13,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
 from lightning_moe_ckpt.core.layout import ParallelPlan
+from lightning_moe_ckpt.core.operators import local_tensor, shard_like
 from lightning_moe_ckpt.core.precision import MasterWeightAdamW
 from lightning_moe_ckpt.core.rng import restore_rng, rng_state
 from lightning_moe_ckpt.core.target import (
@@ -152,6 +155,25 @@ class TrainingEngine(TrainingTarget):
                                 strict=True):
             group.update(saved)
         restore_rng(metadata["rng"])
+
+    def durable_state(self) -> dict[str, Any]:
+        """This rank's dense state after step ``self.step`` (model, master weights and
+        optimizer state, LR schedule, RNG, the step), as a durable checkpoint of a Fabric
+        loop holds it; sharded tensors as their local shards."""
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "lr_scheduler": self.scheduler.state_dict(), "rng": rng_state(),
+                 "global_step": self.step}
+        return apply_to_collection(state, DTensor, local_tensor)
+
+    def load_durable_state(self, state: Mapping[str, Any]) -> None:
+        """Inverse of :meth:`durable_state` (local shards placed like the live ones)."""
+        live = self.model.state_dict()
+        self.model.load_state_dict({key: shard_like(value, live[key]) if key in live
+                                    else value for key, value in state["model"].items()})
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        restore_rng(state["rng"])
+        self.set_step(int(state["global_step"]))
 
     def train_iteration(self, inputs: torch.Tensor, targets: torch.Tensor,
                         backward: Backward | None = None,
