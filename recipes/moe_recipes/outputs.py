@@ -23,6 +23,7 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt
 import torch.distributed as dist
 
+from lightning_moe_ckpt.core.files import write_atomically
 from lightning_moe_ckpt.training.history import TrainingHistory
 from moe_recipes.settings import RunSettings
 
@@ -100,7 +101,8 @@ def write_metrics(path: Path, settings: RunSettings, history: TrainingHistory,
     if settings.checkpoint.paired_blocks is not None:  # the bench pairs the blocks' steps
         metrics["paired_blocks"] = settings.checkpoint.paired_blocks
     metrics["ettr"] = loop_ettr(loop_s, metrics)
-    path.write_text(json.dumps(metrics, indent=2))
+    text = json.dumps(metrics, indent=2).encode()
+    write_atomically(path, lambda file: file.write(text))
     return metrics
 
 

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import CSVLogger
@@ -30,9 +29,10 @@ from tqdm.auto import tqdm
 
 from lightning_moe_ckpt.callbacks import DurableCheckpoints, SparseCheckpointing
 from lightning_moe_ckpt.callbacks.durable_checkpoints import checkpoint_layout
+from lightning_moe_ckpt.core.files import save_atomically
 from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE, launcher_ranks_per_node
 from lightning_moe_ckpt.core.target import IterationAborted
-from lightning_moe_ckpt.errors import NoUsableCheckpointError, require
+from lightning_moe_ckpt.errors import CorruptCheckpointError, NoUsableCheckpointError, require
 from lightning_moe_ckpt.failures.rendezvous import (
     await_assignment,
     exit_on_error,
@@ -442,7 +442,12 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         print("note: without the supervisor a worker that really dies ends the job; set "
               "recovery.supervise=true to have it replaced and recovered", file=sys.stderr,
               flush=True)
-    metrics = _train_and_write(settings)
+    try:
+        metrics = _train_and_write(settings)
+    except (CorruptCheckpointError, NoUsableCheckpointError) as error:
+        log.error("%s", error)  # one line: what is damaged or missing
+        logging.shutdown()
+        raise SystemExit(EXIT_UNRECOVERABLE) from None
     _leave_process_groups()
     return metrics
 
@@ -488,7 +493,7 @@ def _train_and_write(settings: RunSettings) -> dict[str, Any]:
         checkpointing, injector = trained.checkpointing, trained.injector
         peer, peer_failures = trained.peer, trained.peer_failures
     assert state is not None
-    torch.save(state, out_dir / FINAL_STATE)
+    save_atomically(state, out_dir / FINAL_STATE)  # whole or not at all
     extra: dict[str, Any] = {
         "data": data.corpus.name, "data_fingerprint": data.corpus.fingerprint,
         # Median CPU ms per iteration of each rank's process (all of its threads) and of

@@ -360,16 +360,22 @@ PP2_DURABLE = ("api=trainer", "parallel.pp=2", "parallel.microbatches=2",
                "recovery.timeout_s=30")
 
 
+@pytest.fixture(scope="module")
+def golden_durable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("golden_durable")
+    result = run_recipe(out, *PP2_DURABLE)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
 def test_no_replacement_left_ends_the_job_and_the_same_command_resumes_it_bitwise(
-        tmp_path: Path) -> None:
+        tmp_path: Path, golden_durable: Path) -> None:
     """Rank 1 is killed at step 10 with no replacement allowed: the job ends with the
-    documented code. The same command started again finds the newest complete durable
+    documented code. The same command started again finds the newest committed durable
     checkpoint by itself, the fault that struck does not strike again, and training ends
     bitwise equal to the run without the failure."""
     from lightning_moe_ckpt.failures.supervisor import EXIT_NO_SPARE
 
-    golden = run_recipe(tmp_path / "golden", *PP2_DURABLE)
-    assert golden.returncode == 0, golden.stderr[-4000:]
     job = tmp_path / "job"
     command = (*PP2_DURABLE, "faults=at", "faults.kind=kill",
                "faults.events=[{step: 10, rank: 1}]", "recovery.max_restarts=0")
@@ -385,6 +391,34 @@ def test_no_replacement_left_ends_the_job_and_the_same_command_resumes_it_bitwis
     assert "resuming from the newest committed durable checkpoint" in second.stderr
     metrics = json.loads((job / "metrics.json").read_text())
     assert metrics["failures_injected"] == 0 and metrics["replacements"] == []
-    assert_states_equal(tmp_path / "golden" / "final_state.pt", job / "final_state.pt")
-    losses = json.loads((tmp_path / "golden" / "metrics.json").read_text())["loss"]
+    assert_states_equal(golden_durable / "final_state.pt", job / "final_state.pt")
+    losses = json.loads((golden_durable / "metrics.json").read_text())["loss"]
     assert metrics["loss"] == losses[-len(metrics["loss"]):]  # the resumed steps' losses
+
+
+def test_a_rank_killed_while_writing_a_durable_checkpoint_leaves_it_uncommitted(
+        tmp_path: Path, golden_durable: Path) -> None:
+    """Rank 1 SIGKILLs itself halfway through writing its file of the checkpoint of step
+    9, with no replacement allowed: that checkpoint is never taken for complete (no
+    manifest; the newest committed is step 6), the job ends with the documented code, and
+    the same command started again removes the torn files and resumes from step 6,
+    bitwise."""
+    from lightning_moe_ckpt.failures.supervisor import EXIT_NO_SPARE
+    from lightning_moe_ckpt.recovery.manifest import committed_steps
+
+    job = tmp_path / "job"
+    command = (*PP2_DURABLE, "faults=at", "faults.kind=kill",
+               "faults.events=[{step: 7, rank: 1, phase: durable_write}]",
+               "recovery.max_restarts=0")
+    first = run_recipe(job, *command)
+    assert first.returncode == EXIT_NO_SPARE, first.stderr[-4000:]
+    durable = job / "durable"
+    assert committed_steps(durable) == [3, 6]
+    torn = sorted(p.name for p in (durable / "step=9.ckpt").iterdir())
+    assert any(name.startswith(".rank00001.ckpt.tmp-") for name in torn), torn
+    second = run_recipe(job, *command)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "not committed (no manifest" in second.stderr or "a write cut short" in second.stderr
+    assert f"{durable / 'step=6.ckpt'}" in second.stderr
+    assert committed_steps(durable) == [9, 12]
+    assert_states_equal(golden_durable / "final_state.pt", job / "final_state.pt")

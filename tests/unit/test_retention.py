@@ -133,16 +133,3 @@ def test_durable_keep_must_be_a_positive_integer(keep: object) -> None:
     with pytest.raises(ConfigError, match=rf"checkpoint\.durable_keep={keep!r}"):
         SparseCheckpointing("moevement", durable_every=1, durable_dir="d",
                             durable_keep=keep)  # type: ignore[arg-type]
-
-
-def test_the_durable_cadence_is_a_function_of_the_step_alone() -> None:
-    """Every 4th step, whoever asks and however often: a replacement that started at step
-    13, a rank that replayed, a resumed job all take the same steps; step 0 never."""
-    from lightning_moe_ckpt.callbacks.durable_checkpoints import DurableCheckpoints
-
-    durable = DurableCheckpoints(4, "d", 2)
-    assert [s for s in range(0, 30) if durable.due(s)] == [4, 8, 12, 16, 20, 24, 28]
-    replacement = DurableCheckpoints(4, "d", 2)
-    replacement.start(rank=3, start_step=13, fresh=False)
-    assert [s for s in (13, 14, 16, 16, 20) if replacement.due(s)] == [16, 16, 20]
-    assert not any(DurableCheckpoints(None, None, 2).due(s) for s in range(10))

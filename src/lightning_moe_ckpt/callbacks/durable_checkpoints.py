@@ -27,6 +27,7 @@ Reading them back (the automatic resume, ``ckpt_path``, recovery's last resort) 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import queue
@@ -57,6 +58,7 @@ from lightning_moe_ckpt.recovery.manifest import (
     clean_directory,
     committed_steps,
     manifest_path,
+    parts_directory,
     read_manifest,
     retain,
     try_commit,
@@ -350,8 +352,8 @@ class DurableCheckpoints:
             try:
                 write_part(path, rank, world_size, layout, {},
                            error=f"{type(failure).__name__}: {failure}")
-            except BaseException:  # the disk refuses even the part: retention removes it
-                pass
+            except BaseException:  # the disk refuses even the part: remove what is ours
+                _remove_own(path, [target for target, _ in pending], rank)
             else:
                 try_commit(path, world_size)  # as the last part, it removes the files
             return
@@ -379,6 +381,19 @@ class DurableCheckpoints:
                 "durable tier: rank %d could not write the checkpoint of step %d (%s: %s); "
                 "it is not committed, the previous committed checkpoint stays the newest "
                 "and training goes on", self.rank, step, type(error).__name__, error)
+
+
+def _remove_own(checkpoint: Path, files: list[Path], rank: int) -> None:
+    """What ``rank`` left of a checkpoint it could not write (its files, its part, the
+    directories left empty); the other ranks' files go with the next commit's retention
+    or the next start's clean-up, since this one can never be committed."""
+    for file in [*files, parts_directory(checkpoint) / f"rank{rank:05d}.json"]:
+        file.unlink(missing_ok=True)
+    for directory in (parts_directory(checkpoint), checkpoint):
+        with contextlib.suppress(OSError):  # not empty, or not there
+            directory.rmdir()
+    if checkpoint.is_file() and checkpoint in files:
+        checkpoint.unlink(missing_ok=True)
 
 
 def _own_files(checkpoint: Path, rank: int) -> dict[str, FileRecord]:

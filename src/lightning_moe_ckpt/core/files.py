@@ -26,11 +26,28 @@ from typing import IO, Any
 import crc32c
 import torch
 
-__all__ = ["FileRecord", "file_record", "fsync_directory", "make_directories", "remove_temporaries",
-           "save_atomically", "temporary_path", "write_atomically"]
+__all__ = ["FileRecord", "WriteFault", "add_write_fault", "file_record", "fsync_directory",
+           "make_directories", "remove_temporaries", "remove_write_fault", "save_atomically",
+           "temporary_path", "write_atomically"]
 
 TEMPORARY_MARK = ".tmp-"  # in every temporary file's name
 _READ_CHUNK = 8 << 20
+
+# Called before every chunk a write puts into a file, with the file's final path and the
+# bytes written so far: where the testing aids inject a full disk or a crash mid-write.
+WriteFault = Callable[[Path, int], None]
+_write_faults: list[WriteFault] = []
+
+
+def add_write_fault(fault: WriteFault) -> None:
+    """Call ``fault(path, written)`` before every chunk written from now on (tests)."""
+    _write_faults.append(fault)
+
+
+def remove_write_fault(fault: WriteFault) -> None:
+    """Stop calling ``fault`` (added by :func:`add_write_fault`)."""
+    if fault in _write_faults:
+        _write_faults.remove(fault)
 
 
 @dataclass(frozen=True)
@@ -71,16 +88,27 @@ def make_directories(directory: Path) -> None:
 class _ChecksummingWriter:
     """A binary file that keeps the CRC32C and size of what went through it."""
 
-    def __init__(self, file: IO[bytes]) -> None:
+    def __init__(self, file: IO[bytes], target: Path) -> None:
         self.file = file
+        self.target = target
         self.crc = 0
         self.size = 0
+        # The first OSError a write raised: a serializer (torch.save's zip writer) may turn
+        # it into an error of its own that no longer says ENOSPC.
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
-        view = memoryview(data)
+        try:
+            for fault in _write_faults:
+                fault(self.target, self.size)
+            view = memoryview(data)
+            written = self.file.write(view)
+        except OSError as error:
+            self.error = self.error or error
+            raise
         self.crc = crc32c.crc32c(view, self.crc)
         self.size += view.nbytes
-        return self.file.write(view)
+        return written
 
     def flush(self) -> None:
         self.file.flush()
@@ -98,21 +126,21 @@ def write_atomically(path: str | Path, write: Callable[[Any], None]) -> FileReco
     target = Path(path)
     make_directories(target.parent)
     partial = temporary_path(target)
+    writer: _ChecksummingWriter | None = None
     try:
         with open(partial, "wb") as file:
-            writer = _ChecksummingWriter(file)
+            writer = _ChecksummingWriter(file, target)
             write(writer)
             file.flush()
             os.fsync(file.fileno())
         os.replace(partial, target)
         fsync_directory(target.parent)
-    except OSError as error:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             partial.unlink()
-        raise OSError(error.errno, error.strerror or str(error), str(target)) from error
-    except BaseException:
-        with contextlib.suppress(OSError):
-            partial.unlink()
+        cause = writer.error if writer is not None and writer.error is not None else error
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror or str(cause), str(target)) from error
         raise
     return FileRecord(writer.size, writer.crc)
 

@@ -20,12 +20,13 @@ ranks, phase timings).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from typing_extensions import override
 
 from lightning_moe_ckpt.callbacks.sparse_checkpointing import SparseCheckpointing
 from lightning_moe_ckpt.core.collectives import all_gather_values
+from lightning_moe_ckpt.core.files import WriteFault, add_write_fault, remove_write_fault
 from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
 from lightning_moe_ckpt.errors import ConfigError, InjectedFailure
 from lightning_moe_ckpt.failures.supervisor import is_replacement
@@ -63,8 +65,36 @@ def _read_struck(path: Path | None) -> frozenset[FailureEvent]:
                      for index, row in enumerate(rows))
 
 
-def fail_for_real(event: FailureEvent) -> None:
-    """Do to this process what a real failure of ``event.kind`` does."""
+def _disk_full(directories: list[Path]) -> WriteFault:
+    """A write fault: every file under ``directories`` fails with ENOSPC."""
+    roots = [d.resolve() for d in directories]
+
+    def fault(path: Path, written: int) -> None:
+        if any(path.resolve().is_relative_to(root) for root in roots):
+            raise OSError(errno.ENOSPC, "No space left on device (injected: faults kind "
+                          "disk_full)", str(path))
+    return fault
+
+
+def _kill_mid_durable_write(path: Path, written: int) -> None:
+    """SIGKILL this process once part of a durable checkpoint's file is written."""
+    if written > 0 and any(p.name.startswith("step=") and p.name.endswith(".ckpt")
+                           for p in (path, path.parent)):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail_for_real(event: FailureEvent, checkpoint_dirs: Sequence[Path] = ()
+                  ) -> WriteFault | None:
+    """Do to this process what a real failure of ``event.kind`` does (``disk_full``: to
+    the files under ``checkpoint_dirs``); the write fault installed, if it is one."""
+    fault: WriteFault | None = None
+    if event.kind == "disk_full":
+        fault = _disk_full(list(checkpoint_dirs))
+    elif event.phase == "durable_write":  # kind kill: in the middle of a durable write
+        fault = _kill_mid_durable_write
+    if fault is not None:
+        add_write_fault(fault)
+        return fault
     if event.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif event.kind == "exit":
@@ -74,6 +104,7 @@ def fail_for_real(event: FailureEvent) -> None:
     elif event.kind == "hang":
         while True:  # no progress, no heartbeat: the supervisor kills it after its timeout
             time.sleep(3600)
+    return None
 
 
 class FailureInjector(L.Callback, StepHooks):
@@ -119,6 +150,7 @@ class FailureInjector(L.Callback, StepHooks):
         self.real_from: int | None = 0
         # Scheduled failures before the step a resumed run starts at (they never fire).
         self.failures_before_resume = 0
+        self.write_faults: list[WriteFault] = []  # installed by disk_full, durable_write
 
     def attach(self, target: TrainingTarget, rank: int = 0, world_size: int = 1) -> None:
         """Start injecting into ``target`` (attach ``checkpointing`` first)."""
@@ -253,6 +285,11 @@ class FailureInjector(L.Callback, StepHooks):
         if event in self.struck:
             return
         self.counter.record(event)
+        if event.kind == "disk_full":  # the disk fills at this step: earlier writes ended
+            self.checkpointing.durable.drain()
+            coordinator = self.checkpointing.coordinator
+            if coordinator is not None and coordinator.disk is not None:
+                coordinator.disk.drain()
         if self.struck_log is not None:
             row = json.dumps({"step": event.step, "rank": event.rank, "phase": event.phase,
                               "kind": event.kind})
@@ -260,7 +297,18 @@ class FailureInjector(L.Callback, StepHooks):
                 log.write(row + "\n")
                 log.flush()
                 os.fsync(log.fileno())
-        fail_for_real(event)
+        fault = fail_for_real(event, self._checkpoint_dirs())
+        if fault is not None:  # the process trains on with it: removed when training ends
+            self.write_faults.append(fault)
+
+    def _checkpoint_dirs(self) -> list[Path]:
+        """Where this rank's checkpoints go: the durable directory, CheckFreq's."""
+        dirs = [] if self.checkpointing.durable.directory is None else [
+            Path(self.checkpointing.durable.directory)]
+        coordinator = self.checkpointing.coordinator
+        if coordinator is not None and coordinator.disk is not None:
+            dirs.append(coordinator.disk.directory)
+        return dirs
 
     def _destroy(self) -> None:
         """What this rank's worker loses when it fails."""
@@ -311,6 +359,16 @@ class FailureInjector(L.Callback, StepHooks):
                 f"(W={r['window']}), replayed {r['iterations_replayed']} iterations, lost "
                 f"tokens {r['lost_tokens']}; {timing}")
         return "\n".join(lines)
+
+    def remove_write_faults(self) -> None:
+        """Stop the write faults this injector installed (a full disk emptied)."""
+        for fault in self.write_faults:
+            remove_write_fault(fault)
+        self.write_faults.clear()
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.remove_write_faults()
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

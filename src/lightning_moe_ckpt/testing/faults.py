@@ -37,15 +37,17 @@ from lightning_moe_ckpt.core.optimizer_state import OptimizerStateAccess
 from lightning_moe_ckpt.errors import ConfigError, fmt, require
 
 Phase = Literal["forward", "backward", "optimizer", "snapshot_copy", "replication",
-                "recovery"]
+                "recovery", "durable_write"]
 PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer", "snapshot_copy",
-                             "replication", "recovery")
+                             "replication", "recovery", "durable_write")
 SCHEDULES = ("none", "at", "mtbf", "trace")
 # simulated: every rank knows the schedule and recovers together, the failed rank's state
 # is destroyed in place (the simulator-calibrated benchmark); the others are real: the
-# failing rank does it to itself and nobody else reads the schedule.
-FaultKind = Literal["simulated", "kill", "exit", "exception", "hang"]
-KINDS: tuple[FaultKind, ...] = ("simulated", "kill", "exit", "exception", "hang")
+# failing rank does it to itself and nobody else reads the schedule. disk_full: from its
+# step on, every file the rank writes fails with ENOSPC (the process lives on).
+FaultKind = Literal["simulated", "kill", "exit", "exception", "hang", "disk_full"]
+KINDS: tuple[FaultKind, ...] = ("simulated", "kill", "exit", "exception", "hang",
+                                "disk_full")
 
 
 @dataclass(frozen=True, order=True)
@@ -56,11 +58,15 @@ class FailureEvent:
         step: The optimizer step (0-based) the failure strikes.
         rank: The rank that fails.
         phase: The phase of the step it fails in (one of :data:`PHASES`); default
-            ``"optimizer"``.
+            ``"optimizer"``. ``"durable_write"`` (with ``kind="kill"``): in the middle of
+            writing the rank's file of the first durable checkpoint taken from that step
+            on.
         kind: How it fails: ``"simulated"`` (default; its state is destroyed in place and
             every rank recovers together) or a real failure the rank does to itself:
             ``"kill"`` (SIGKILL), ``"exit"`` (``os._exit(1)``), ``"exception"`` (an
-            exception in the training step) or ``"hang"`` (no progress).
+            exception in the training step), ``"hang"`` (no progress) or ``"disk_full"``
+            (from that step on every file it writes into its checkpoint directories fails
+            with ENOSPC, the writes taken before having ended; it trains on).
     """
 
     step: int
@@ -152,6 +158,12 @@ def parse_event(row: Mapping[str, Any], where: str, world_size: int | None = Non
     require(phase != "replication" or kind in ("simulated", "kill", "exit"),
             f"{fmt(f'{where}.kind', kind)} cannot strike in phase replication; use kill "
             "or exit there")
+    require(phase != "durable_write" or kind == "kill",
+            f"{fmt(f'{where}.kind', kind)} cannot strike in phase durable_write; use kill "
+            "there (a process killed in the middle of a write)")
+    require(kind != "disk_full" or phase == "optimizer",
+            f"{fmt(f'{where}.phase', phase)} means nothing for kind disk_full (the disk "
+            "stays full from the step on); leave the phase out")
     return FailureEvent(int(row["step"]), rank, cast(Phase, phase), kind)
 
 
@@ -406,8 +418,10 @@ def check_reachable(schedule: FaultSchedule, *, world_size: int, max_steps: int 
 
 
 def has_real_faults(schedule: FaultSchedule) -> bool:
-    """Whether any event of ``schedule`` is a real failure (needs the supervisor)."""
-    return isinstance(schedule, _ListedSchedule) and any(e.real for e in schedule.events)
+    """Whether any event of ``schedule`` is a real failure of a process (needs the
+    supervisor; a full disk does not end the process)."""
+    return isinstance(schedule, _ListedSchedule) and any(
+        e.real and e.kind != "disk_full" for e in schedule.events)
 
 
 @dataclass
