@@ -23,12 +23,19 @@ docs/guides/cluster.md):
 
 A fault of kind ``kill`` with a ``node`` target makes every rank of that node kill itself
 (``faults.events=[{step: S, node: K}]``), as a machine that dies would take them.
+
+``--preempt-at-step S`` preempts the job as SLURM does: once rank 0 begins iteration ``S``
+(its heartbeat in the job store says so), SIGTERM goes to the supervisor and to every task,
+and ``--preempt-grace-s`` seconds later (SLURM's ``KillWait``, 30 by default) SIGKILL to
+whatever still runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import json
 import os
 import signal
 import socket
@@ -36,9 +43,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 POLL_S = 0.1
 GRACE_S = 30.0  # how long tasks may take to leave once the supervisor ended
+KILL_WAIT_S = 30.0  # SLURM's default time from a preemption's SIGTERM to its SIGKILL
 
 
 def _free_port() -> int:
@@ -60,10 +69,43 @@ def task_environment(task: int, nodes: int, per_node: int, port: int) -> dict[st
             "SLURMD_NODENAME": f"node{node}", "MOE_STORE": f"127.0.0.1:{port}"}
 
 
-def run(nodes: int, per_node: int, command: Sequence[str], supervisor_args: Sequence[str] = ()
-        ) -> int:
+class _Preemption:
+    """SIGTERM to the job once rank 0 begins iteration ``step``, SIGKILL ``grace_s`` later."""
+
+    def __init__(self, port: int, step: int, grace_s: float) -> None:
+        self.port, self.step, self.grace_s = port, step, grace_s
+        self.store: Any = None  # the job store, once the supervisor listens
+        self.kill_at: float | None = None
+
+    def due(self) -> bool:
+        """Whether rank 0 has begun iteration ``step`` (once: then it is not due again)."""
+        from torch.distributed import TCPStore
+
+        from lightning_moe_ckpt.failures.supervisor import STATUS_KEY, heartbeat_key
+
+        if self.kill_at is not None:
+            return False
+        if self.store is None:  # a client made before the server listens backs off long
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+            except OSError:
+                return False
+            self.store = TCPStore("127.0.0.1", self.port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=30))
+        try:
+            if not self.store.check([STATUS_KEY]):
+                return False
+            pid = json.loads(self.store.get(STATUS_KEY))["ranks"]["0"]
+            begun = int(self.store.add(heartbeat_key(0, pid), 0))  # iterations begun
+        except RuntimeError:  # the supervisor ended meanwhile
+            return False
+        return begun > self.step
+
+
+def run(nodes: int, per_node: int, command: Sequence[str], supervisor_args: Sequence[str] = (),
+        preempt_at_step: int | None = None, preempt_grace_s: float = KILL_WAIT_S) -> int:
     """Run ``command`` as ``nodes`` x ``per_node`` tasks beside the supervisor; returns
-    the supervisor's exit code."""
+    the supervisor's exit code (``128 + SIGKILL`` when a preemption's grace ran out)."""
     port = _free_port()
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "lightning_moe_ckpt.supervise",
@@ -80,7 +122,22 @@ def run(nodes: int, per_node: int, command: Sequence[str], supervisor_args: Sequ
             if first:
                 groups.append(process.pid)
             tasks.append(process)
+        preemption = (None if preempt_at_step is None
+                      else _Preemption(port, preempt_at_step, preempt_grace_s))
         while supervisor.poll() is None:
+            if preemption is not None and preemption.due():
+                print(f"cluster: preempting the job at step {preempt_at_step} (SIGTERM to the "
+                      f"supervisor and every task; SIGKILL in {preempt_grace_s:g} s)",
+                      file=sys.stderr)
+                supervisor.send_signal(signal.SIGTERM)
+                for group in groups:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(group, signal.SIGTERM)
+                preemption.kill_at = time.monotonic() + preempt_grace_s
+            if (preemption is not None and preemption.kill_at is not None
+                    and time.monotonic() > preemption.kill_at):
+                print("cluster: the preemption's grace ran out: SIGKILL", file=sys.stderr)
+                return 128 + int(signal.SIGKILL)  # _end kills what is left
             if all(t.poll() is not None for t in tasks):  # nobody left to supervise
                 time.sleep(GRACE_S / 3)
                 if supervisor.poll() is None:
@@ -127,6 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--supervisor-arg", action="append", default=[], metavar="ARG",
                         help="an argument for the supervisor (repeatable), e.g. "
                              "--supervisor-arg=--status=workers.json")
+    parser.add_argument("--preempt-at-step", type=int, default=None, metavar="S",
+                        help="preempt the job as SLURM does once rank 0 begins iteration S: "
+                             "SIGTERM to the supervisor and every task, SIGKILL after "
+                             "--preempt-grace-s")
+    parser.add_argument("--preempt-grace-s", type=float, default=KILL_WAIT_S,
+                        help="seconds from the preemption's SIGTERM to its SIGKILL "
+                             f"(SLURM's KillWait; default {KILL_WAIT_S:g})")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- SCRIPT [ARGS]: what each task runs with python")
     args = parser.parse_args(argv)
@@ -139,7 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A SIGTERM (a timeout, a cancel) ends the run through run()'s clean-up, which ends
     # the supervisor and every node's processes.
     signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
-    return run(args.nodes, args.ranks_per_node, command, args.supervisor_arg)
+    if args.preempt_at_step is not None and (args.preempt_at_step < 0
+                                             or args.preempt_grace_s <= 0):
+        parser.error(f"--preempt-at-step={args.preempt_at_step} must be >= 0 and "
+                     f"--preempt-grace-s={args.preempt_grace_s} > 0")
+    return run(args.nodes, args.ranks_per_node, command, args.supervisor_arg,
+               args.preempt_at_step, args.preempt_grace_s)
 
 
 if __name__ == "__main__":

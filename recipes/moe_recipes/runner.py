@@ -24,6 +24,7 @@ import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
@@ -40,7 +41,12 @@ from lightning_moe_ckpt.failures.rendezvous import (
     join_as_launcher_task,
     supervised,
 )
-from lightning_moe_ckpt.failures.supervisor import ENV_SPARE, EXIT_UNRECOVERABLE, is_replacement
+from lightning_moe_ckpt.failures.supervisor import (
+    ENV_SPARE,
+    EXIT_PREEMPTED,
+    EXIT_UNRECOVERABLE,
+    is_replacement,
+)
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
 from lightning_moe_ckpt.recovery import newest_committed_durable
 from lightning_moe_ckpt.recovery.durable import check_layout
@@ -131,6 +137,7 @@ def _checkpointing(settings: RunSettings) -> SparseCheckpointing | None:
                                         same_node_replicas=checkpoint.same_node_replicas,
                                         checksum_threads=checkpoint.checksum_threads,
                                         helper_nice=checkpoint.helper_nice,
+                                        preempt_grace_s=settings.recovery.preempt_grace_s,
                                         **checkpoint.options)
     if checkpoint.paired_blocks is not None:  # the bench's measurement (--paired-blocks)
         checkpointing.window_filter = PairedBlocks(checkpoint.paired_blocks)
@@ -448,6 +455,9 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
         log.error("%s", error)  # one line: what is damaged or missing
         logging.shutdown()
         raise SystemExit(EXIT_UNRECOVERABLE) from None
+    except SIGTERMException:  # preempted: the checkpoint of the step it stopped at is taken
+        logging.shutdown()
+        raise SystemExit(EXIT_PREEMPTED) from None
     _leave_process_groups()
     return metrics
 

@@ -152,6 +152,9 @@ class RecoverySettings:
     # Fork the supervised workers (and replacements, spares) from a fork server that imported
     # torch, Lightning, Hydra and the library once, instead of starting fresh interpreters.
     fork_workers: bool = True
+    # After a SIGTERM to the job (a preemption): how long the ranks have to commit a durable
+    # checkpoint of the step they stop at and exit, before the supervisor kills them.
+    preempt_grace_s: float = 20.0
 
 
 def _recovery_settings(values: Mapping[str, Any]) -> RecoverySettings:
@@ -160,6 +163,10 @@ def _recovery_settings(values: Mapping[str, Any]) -> RecoverySettings:
             f"{fmt('recovery.timeout_s', settings.timeout_s)} must be > 0 seconds")
     require(isinstance(settings.max_restarts, int) and settings.max_restarts >= 0,
             f"{fmt('recovery.max_restarts', settings.max_restarts)} must be an integer >= 0")
+    require(is_number(settings.preempt_grace_s) and settings.preempt_grace_s > 0,
+            f"{fmt('recovery.preempt_grace_s', settings.preempt_grace_s)} must be > 0 seconds "
+            "(well under the scheduler's time from SIGTERM to SIGKILL: SLURM's KillWait, 30 s "
+            "by default)")
     require(settings.supervise in (True, False, "auto"),
             f"{fmt('recovery.supervise', settings.supervise)} must be auto, true or false")
     require(isinstance(settings.fork_workers, bool),

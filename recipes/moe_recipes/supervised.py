@@ -96,7 +96,8 @@ def check_supervisable(settings: RunSettings) -> None:
 def job_layout(settings: RunSettings) -> JobLayout:
     """The job's shape, for a supervisor that hosts a launcher's tasks."""
     return JobLayout(settings.layout.world_size, settings.spares, settings.spare_nodes,
-                     settings.recovery.timeout_s, settings.recovery.max_restarts)
+                     settings.recovery.timeout_s, settings.recovery.max_restarts,
+                     settings.recovery.preempt_grace_s)
 
 
 def add_job_report(settings: RunSettings, job: JobStore) -> None:
@@ -124,7 +125,8 @@ def supervise_workers(settings: RunSettings) -> dict[str, Any]:
                             settings.spares, status_path=Path(settings.out_dir) / WORKERS,
                             fork_workers=settings.recovery.fork_workers,
                             preload=RECIPE_IMPORTS, ranks_per_node=settings.ranks_per_node,
-                            spare_nodes=settings.spare_nodes)
+                            spare_nodes=settings.spare_nodes,
+                            preempt_grace_s=settings.recovery.preempt_grace_s)
     code = supervisor.run()
     path = Path(settings.out_dir) / METRICS
     if code != 0:

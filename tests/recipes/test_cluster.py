@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +28,14 @@ LAYOUT = ("parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2",
 PP2_DP2 = (*LAYOUT, "recovery.timeout_s=60")
 
 
-def run_cluster(out: Path, nodes: int, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """``python recipes/cluster.py --nodes NODES --ranks-per-node 2 -- recipes/train.py
-    ...`` in bounded time: on overrun it is sent SIGTERM (it ends the supervisor and
-    every node's process group), then its own group is killed."""
+def run_cluster(out: Path, nodes: int, *overrides: str, cluster_args: Sequence[str] = ()
+                ) -> subprocess.CompletedProcess[str]:
+    """``python recipes/cluster.py --nodes NODES --ranks-per-node 2 [cluster_args] --
+    recipes/train.py ...`` in bounded time: on overrun it is sent SIGTERM (it ends the
+    supervisor and every node's process group), then its own group is killed."""
     command = [sys.executable, str(CLUSTER), "--nodes", str(nodes), "--ranks-per-node", "2",
-               "--", str(TRAIN), f"out_dir={out}", "trainer.progress_bar=false", *overrides]
+               *cluster_args, "--", str(TRAIN), f"out_dir={out}", "trainer.progress_bar=false",
+               *overrides]
     return run_bounded(command, env={**os.environ, "HYDRA_FULL_ERROR": "1"},
                        terminate_first=True)
 
@@ -138,6 +141,48 @@ def test_a_lost_node_without_a_spare_ends_the_job_and_the_same_command_resumes_i
     metrics = json.loads((job / "metrics.json").read_text())
     assert metrics["failures_injected"] == 0 and metrics["replacements"] == []
     assert_states_equal(tmp_path / "golden" / "final_state.pt", job / "final_state.pt")
+
+
+def test_a_preempted_job_commits_the_step_it_stops_at_and_resumes_from_it_bitwise(
+        tmp_path: Path, golden: Path) -> None:
+    """SIGTERM to the supervisor and every task once rank 0 begins step 3 (as SLURM
+    preempts), SIGKILL 30 s later: every rank stops at the same step, commits a durable
+    checkpoint of it (the only one: the cadence would take none before step 100) and
+    exits with the preempted code; the same command started again resumes from it and
+    ends bitwise equal to the run never preempted."""
+    from lightning_moe_ckpt.failures.supervisor import EXIT_PREEMPTED
+    from lightning_moe_ckpt.recovery.manifest import committed_steps
+
+    command = (*PP2_DP2, "checkpoint.durable_every=100")
+    preempted = run_cluster(tmp_path, 2, *command, cluster_args=("--preempt-at-step", "3"))
+    assert preempted.returncode == EXIT_PREEMPTED, preempted.stderr[-4000:]
+    (step,) = committed_steps(tmp_path / "durable")
+    assert 3 <= step < 16
+    assert f"preempted at step {step}: its part of the durable checkpoint" in preempted.stderr
+    assert not (tmp_path / "final_state.pt").exists()
+    resumed = run_cluster(tmp_path, 2, *command)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resuming from the newest committed durable checkpoint {tmp_path / 'durable'}" \
+           f"/step={step}.ckpt" in resumed.stderr
+    assert_states_equal(golden / "final_state.pt", tmp_path / "final_state.pt")
+
+
+@pytest.mark.parametrize("spares", [2, 0], ids=["with-a-spare", "no-spare"])
+def test_a_sigterm_to_one_worker_is_its_failure(tmp_path: Path, golden: Path,
+                                                spares: int) -> None:
+    """A SIGTERM to rank 1 alone (an OOM killer, a node agent) is not a preemption: the
+    supervisor kills the rank and a spare task takes it over (the job ends bitwise), or,
+    with no spare, the job ends with the no-spare code (a committed checkpoint is left)."""
+    command = (*PP2_DP2, f"parallel.spares={spares}", "checkpoint.durable_every=4",
+               "faults=at", "faults.kind=sigterm", "faults.events=[{step: 9, rank: 1}]")
+    result = run_cluster(tmp_path, 3 if spares else 2, *command)
+    assert "rank 1 (pid" in result.stderr and "alone received a SIGTERM" in result.stderr
+    if spares:
+        assert result.returncode == 0, result.stderr[-4000:]
+        _replaced(tmp_path, [1], cause="sigterm")
+        assert_states_equal(golden / "final_state.pt", tmp_path / "final_state.pt")
+    else:
+        assert result.returncode == EXIT_NO_SPARE, result.stderr[-4000:]
 
 
 def test_tasks_that_do_not_fit_the_job_stop_it_at_once_with_the_numbers(

@@ -27,6 +27,7 @@ then records each recovery.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 import warnings
@@ -47,6 +48,7 @@ from lightning_moe_ckpt.callbacks.durable_checkpoints import (
     verify_resumed,
 )
 from lightning_moe_ckpt.callbacks.planner_profiling import PlannerProfiling
+from lightning_moe_ckpt.callbacks.preemption import Preemption, SIGTERMException
 from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
 from lightning_moe_ckpt.core.nodes import launcher_ranks_per_node
 from lightning_moe_ckpt.core.operators import OperatorOverride
@@ -58,15 +60,17 @@ from lightning_moe_ckpt.core.target import (
     TrainingTarget,
     UserModelParallelism,
 )
-from lightning_moe_ckpt.errors import ConfigError, fmt, require
+from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
 from lightning_moe_ckpt.failures.join import check_replaceable, protect_user_module
 from lightning_moe_ckpt.failures.rendezvous import JobStore, await_assignment, supervised
+from lightning_moe_ckpt.failures.supervisor import EXIT_PREEMPTED, PREEMPT_GRACE_S
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
 from lightning_moe_ckpt.planning.agreement import LargestAcrossRanks
 from lightning_moe_ckpt.planning.planner import CapturePlan
 from lightning_moe_ckpt.planning.schedule import specs_from_registry
 from lightning_moe_ckpt.policies.registry import make_planner, planner_options, setting_options
 from lightning_moe_ckpt.recovery.durable import RNG_KEY
+from lightning_moe_ckpt.recovery.manifest import checkpoint_path
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
 from lightning_moe_ckpt.replication.shared_slots import SAME_NODE_REPLICAS
 from lightning_moe_ckpt.snapshots.checksum import require_checksum_threads
@@ -83,6 +87,8 @@ from lightning_moe_ckpt.targets.lightning import LightningTarget
 from lightning_moe_ckpt.targets.telemetry import RouterParser
 from lightning_moe_ckpt.targets.user_loop import UserLoopTarget
 from lightning_moe_ckpt.training.lightning_module import MoELanguageModule
+
+log = logging.getLogger("lightning_moe_ckpt")
 
 _ONE = torch.ones(())  # the clip coefficient of a loop that does not clip
 
@@ -139,6 +145,9 @@ class SparseCheckpointing(L.Callback, StepHooks):
         helper_nice: Added to the nice value of the threads that copy, checksum, replicate
             and write snapshots, so that on shared cores they yield to the training threads
             (:mod:`~lightning_moe_ckpt.snapshots.helper_threads`; 0: the same priority).
+        preempt_grace_s: On a preemption (a SIGTERM to the job; Trainer only), how long a
+            rank waits for the durable checkpoint of the step it stops at to be written
+            (:mod:`~lightning_moe_ckpt.callbacks.preemption`).
         **options: The policy's options, the planner's keyword options (``window=3``,
             ``interval=10``, ``experts_per_layer=2``, ...).
 
@@ -157,6 +166,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
                  router_parser: RouterParser | None = None,
                  same_node_replicas: str = "shared", checksum_threads: int | None = None,
                  helper_nice: int = DEFAULT_HELPER_NICE,
+                 preempt_grace_s: float = PREEMPT_GRACE_S,
                  **options: Any) -> None:
         known = setting_options(policy)  # raises for an unknown policy
         unknown = sorted(set(options) - known)
@@ -171,6 +181,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
                 f"{fmt('checkpoint.upstream_logging', upstream_logging)} must be True or False")
         require_checksum_threads(checksum_threads)
         require_helper_nice(helper_nice)
+        require(is_number(preempt_grace_s) and preempt_grace_s > 0,
+                f"{fmt('recovery.preempt_grace_s', preempt_grace_s)} must be > 0 seconds")
         require(same_node_replicas in SAME_NODE_REPLICAS,
                 f"{fmt('checkpoint.same_node_replicas', same_node_replicas)} must be one of "
                 f"{', '.join(map(repr, SAME_NODE_REPLICAS))}")
@@ -198,6 +210,9 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self._started = 0.0
         # Real failures of peers recovered on this rank (a supervised job), else None.
         self.peer_failures: PeerFailureHandler | None = None
+        self.preempt_grace_s = float(preempt_grace_s)
+        self.preemption: Preemption | None = None  # SIGTERM handling (Trainer, once fitting)
+        self.preempted_at: int | None = None  # the step training stopped at on a preemption
         # Lightning's ModelParallelStrategy, made to replace failed ranks (supervised).
         self._rank_replacement: ModelParallelReplacement | None = None
         if supervised():
@@ -393,6 +408,10 @@ class SparseCheckpointing(L.Callback, StepHooks):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.preemption is None:  # after Lightning's own handler (it registers first)
+            job = JobStore.from_env() if trainer.world_size > 1 else None
+            self.preemption = Preemption(job, self.preempt_grace_s)
+            self.preemption.install()
         if not isinstance(pl_module, MoELanguageModule):  # its data is indexed by step
             self.data_position.train_starts(trainer)  # a resumed run reads on where it was
         if self.target is not None:
@@ -455,6 +474,44 @@ class SparseCheckpointing(L.Callback, StepHooks):
         # it at the same steps, a function of the step alone.
         if self.coordinator is not None and self.durable.due(trainer.global_step):
             self.durable.write(trainer)
+        if self.preemption is not None:
+            self.preemption.at_batch_end(trainer)
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):  # every rank stops at this step
+            if self.preemption is not None:
+                self.preemption.on_stopped(trainer)
+            self._save_on_preemption(trainer)
+            # Left uncaught, it ends the process with the code that says "preempted".
+            exception.code = EXIT_PREEMPTED
+
+    def _save_on_preemption(self, trainer: L.Trainer) -> None:
+        """The durable checkpoint of the step training stopped at on a preemption
+        (collective), waited for at most ``preempt_grace_s``."""
+        step = self.preempted_at = trainer.global_step
+        if self.durable.directory is None or not self.durable.enabled:
+            log.warning("rank %d: preempted at step %d with no durable tier "
+                        "(checkpoint.durable_every is not set): nothing is saved, and started "
+                        "again the job starts afresh", trainer.global_rank, step)
+            return
+        path = str(checkpoint_path(self.durable.directory, step))
+        if path not in self.durable.taken[-1:]:  # not taken at this step already
+            self.durable.write(trainer)
+        if self.durable.drain(self.preempt_grace_s):
+            log.warning("rank %d: preempted at step %d: its part of the durable checkpoint "
+                        "%s is written", trainer.global_rank, step, path)
+        else:
+            log.error("rank %d: preempted at step %d: the durable checkpoint %s was not "
+                      "written within recovery.preempt_grace_s=%g s", trainer.global_rank,
+                      step, path, self.preempt_grace_s)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.preemption is not None:
+            self.preemption.uninstall()
+            self.preemption = None
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

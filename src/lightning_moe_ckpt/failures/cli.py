@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_moe_ckpt.core.nodes import launcher_node_size
-from lightning_moe_ckpt.failures.supervisor import Supervisor, report_of
+from lightning_moe_ckpt.failures.supervisor import PREEMPT_GRACE_S, Supervisor, report_of
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
                              "strategy's recovery_timeout_s (default 60)")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="replacements before the job gives up (default 3)")
+    parser.add_argument("--preempt-grace-s", type=float, default=None,
+                        help="after a SIGTERM to the job (a preemption): how long the "
+                             "workers have to commit a durable checkpoint and exit before "
+                             "they are killed (default 20; with --launcher-tasks and no "
+                             "--workers, task 0's setting)")
     parser.add_argument("--fork-workers", action="store_true",
                         help="fork the workers, replacements and spares from a fork server "
                              "that imported torch, Lightning and --preload once, instead of "
@@ -121,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     supervisor = Supervisor(command, args.workers, args.timeout_s, args.max_restarts,
                             args.spares, status_path=args.status,
                             fork_workers=args.fork_workers, preload=args.preload,
-                            ranks_per_node=args.ranks_per_node, spare_nodes=args.spare_nodes)
+                            ranks_per_node=args.ranks_per_node, spare_nodes=args.spare_nodes,
+                            preempt_grace_s=_grace(parser, args))
     return _report(supervisor)
 
 
@@ -140,10 +146,19 @@ def _host_launcher_tasks(parser: argparse.ArgumentParser, args: argparse.Namespa
                                                 or launcher_node_size()),
                                 spare_nodes=args.spare_nodes,
                                 launcher_tasks=args.launcher_tasks, store_host=args.host,
-                                store_port=args.port)
+                                store_port=args.port, preempt_grace_s=_grace(parser, args))
     except ValueError as error:
         parser.error(str(error))
     return _report(supervisor)
+
+
+def _grace(parser: argparse.ArgumentParser, args: argparse.Namespace) -> float:
+    """``--preempt-grace-s``, checked (default 20 s)."""
+    if args.preempt_grace_s is None:
+        return PREEMPT_GRACE_S
+    if args.preempt_grace_s <= 0:
+        parser.error(f"--preempt-grace-s={args.preempt_grace_s} must be > 0")
+    return float(args.preempt_grace_s)
 
 
 def _report(supervisor: Supervisor) -> int:

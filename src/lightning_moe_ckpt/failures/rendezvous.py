@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed import TCPStore, distributed_c10d
 
 from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE
@@ -38,13 +39,17 @@ from lightning_moe_ckpt.failures.supervisor import (
     ENV_SPARE,
     ENV_STORE,
     EXIT_CONFIG,
+    EXIT_PREEMPTED,
     EXIT_SUPERVISOR_LOST,
     EXIT_UNRECOVERABLE,
     FINISHED_KEY,
+    PREEMPT_KEY,
+    SIGTERMS_KEY,
     TIMEOUT_KEY,
     finished_key,
     heartbeat_key,
     rendezvous_key,
+    sigterm_key,
 )
 from lightning_moe_ckpt.failures.tasks import (
     LAYOUT_KEY,
@@ -165,7 +170,8 @@ def exit_on_error() -> Iterator[None]:
     try:
         yield
     except BaseException as error:  # every escape ends the worker the same way
-        if isinstance(error, SystemExit) and error.code in (0, None):
+        if (isinstance(error, SystemExit) and error.code in (0, None)
+                and not isinstance(error, SIGTERMException)):  # (a SystemExit of code None)
             raise
         traceback.print_exc()
         sys.stdout.flush()
@@ -175,6 +181,8 @@ def exit_on_error() -> Iterator[None]:
 
 def _exit_code(error: BaseException) -> int:
     """What a worker that stopped on ``error`` tells the supervisor by its exit code."""
+    if isinstance(error, SIGTERMException):  # the job was preempted: this rank saved
+        return EXIT_PREEMPTED
     if isinstance(error, NoUsableCheckpointError):
         return EXIT_UNRECOVERABLE
     return EXIT_CONFIG if isinstance(error, ConfigError) else 1
@@ -214,6 +222,9 @@ class JobStore:
     _newest_seen: int = 0  # the newest generation the heartbeat thread saw
     _watcher: threading.Thread | None = None
     _stop_watch: threading.Event = field(default_factory=threading.Event)
+    _sigterm: bool = False  # this process received a SIGTERM (set by its signal handler)
+    _sigterm_reported: bool = False
+    preempt_requested: bool = False  # the supervisor preempted the job (seen by the watcher)
 
     @classmethod
     def from_env(cls, timeout_s: float | None = None) -> JobStore | None:
@@ -276,6 +287,12 @@ class JobStore:
                                              daemon=True)
             self._watcher.start()
 
+    def note_sigterm(self) -> None:
+        """This process received a SIGTERM (safe in a signal handler: it only sets a flag;
+        the heartbeat thread reports it to the supervisor, which decides whether the job
+        is preempted or this rank alone failed)."""
+        self._sigterm = True
+
     def newer_generation_seen(self) -> bool:
         """Whether the heartbeat thread saw the supervisor open a newer generation than
         this process's (cheap: no store access on the caller's thread)."""
@@ -292,6 +309,12 @@ class JobStore:
                     store.add(key, done - published)
                     published = done
                 self._newest_seen = int(store.get("generation"))
+                if self._sigterm and not self._sigterm_reported:
+                    store.set(sigterm_key(self.rank, os.getpid()), "1")
+                    store.add(SIGTERMS_KEY, 1)
+                    self._sigterm_reported = True
+                if not self.preempt_requested and store.check([PREEMPT_KEY]):
+                    self.preempt_requested = True
         except (RuntimeError, OSError) as error:  # torch's store errors are RuntimeErrors
             if self._stop_watch.is_set():
                 return  # training is over: the supervisor may be gone by now

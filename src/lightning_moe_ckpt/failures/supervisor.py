@@ -85,7 +85,17 @@ EXIT_CONFIG = 88
 # started again (SLURM ``--requeue``, a wrapper loop) it resumes from its newest durable
 # checkpoint.
 EXIT_NO_SPARE = 89
+# Every rank stopped on a preemption (a SIGTERM to the job): each committed a durable
+# checkpoint of the step it stopped at where the durable tier is on; started again, the job
+# resumes from it.
+EXIT_PREEMPTED = 85
 FINISHED_KEY = "finished"  # counter: workers whose training loop ended
+PREEMPT_KEY = "preempt"  # set by the supervisor: the job is preempted, every rank stops
+SIGTERMS_KEY = "sigterms"  # counter: workers that received a SIGTERM
+# How long a worker's SIGTERM waits for the job's: SIGTERMs to every rank, or to the
+# supervisor, within this make a preemption; a SIGTERM to some ranks alone is their failure.
+SIGTERM_DECIDE_S = 2.0
+PREEMPT_GRACE_S = 20.0  # default: how long preempted workers have to save and exit
 # torch.distributed's env:// rendezvous connects to MASTER_ADDR:MASTER_PORT as a client on
 # every rank (none hosts the store) when this is "True".
 ENV_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
@@ -109,6 +119,11 @@ def rendezvous_key(generation: int) -> str:
 def heartbeat_key(rank: int, pid: int) -> str:
     """The store counter a worker process bumps (per process: a replacement starts anew)."""
     return f"hb/{rank}/{pid}"
+
+
+def sigterm_key(rank: int, pid: int) -> str:
+    """Set by worker process ``pid`` of ``rank`` when it received a SIGTERM."""
+    return f"sigterm/{rank}/{pid}"
 
 
 def finished_key(rank: int, pid: int) -> str:
@@ -167,6 +182,9 @@ class Supervisor:
     store_port: int = 0
     # How long a launcher's tasks may take to start and register.
     startup_timeout_s: float = 600.0
+    # After a SIGTERM to the job (a preemption): how long the workers have to commit a
+    # durable checkpoint and exit before they are killed.
+    preempt_grace_s: float = PREEMPT_GRACE_S
     replacements: list[Replacement] = field(default_factory=list)
     pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
     spare_pids: list[int] = field(default_factory=list)  # the warm spares started
@@ -177,6 +195,8 @@ class Supervisor:
     training_started_s: float | None = None
     training_s: float | None = None
     _forker: WorkerForker | None = field(default=None, init=False, repr=False)
+    # When the job was preempted (a SIGTERM to the supervisor, or to every rank).
+    _preempted_at: float | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.launcher_tasks is not None:
@@ -208,15 +228,24 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervise until every worker finished (0) or the job cannot go on (1,
-        ``EXIT_UNRECOVERABLE``, ``EXIT_CONFIG`` or ``EXIT_NO_SPARE``). A SIGTERM stops the
-        workers and exits with ``128 + SIGTERM``."""
+        ``EXIT_UNRECOVERABLE``, ``EXIT_CONFIG`` or ``EXIT_NO_SPARE``). A SIGTERM is a
+        preemption: every rank is told to stop, commits a durable checkpoint and exits
+        within ``preempt_grace_s`` (``EXIT_PREEMPTED``); those still running then are
+        killed (``128 + SIGTERM``). A second SIGTERM stops the workers at once."""
         if threading.current_thread() is not threading.main_thread():
             return self._supervise()  # signal handlers belong to the main thread
-        previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             return self._supervise()
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        """The job is preempted (the supervisor's loop tells the workers); a second
+        SIGTERM ends the supervisor as Ctrl-C would, stopping the workers by pid."""
+        if self._preempted_at is not None:
+            raise SystemExit(128 + signum)
+        self._preempted_at = time.monotonic()
 
     def _supervise(self) -> int:
         store = TCPStore(self.store_host, self.store_port, is_master=True,
@@ -256,8 +285,20 @@ class Supervisor:
             self.spare_node_pids = [[p.pid for _, p in spares] for _, spares in idle_nodes]
             self._publish(store, workers, idle, idle_nodes)
             beats = {rank: (-1, time.monotonic()) for rank in workers}
+            sigterms = _SigtermWatch()
+            preempted: set[int] = set()  # ranks that stopped on the preemption
+            finished_ok: set[int] = set()  # ranks that exited 0 (their training ended)
             while len(done) < self.world_size:
                 time.sleep(POLL_S)
+                lone, everyone = sigterms.poll(store, workers, done)
+                if everyone and self._preempted_at is None:
+                    self._preempted_at = time.monotonic()  # every rank got it: the job's
+                if self._preempted_at is not None:
+                    stopped = self._preemption(store, workers, done, preempted,
+                                               finished_ok, idle, idle_nodes)
+                    if stopped is not None:
+                        return stopped
+                    continue
                 if self.training_started_s is None and all(b[0] > 0 for b in beats.values()):
                     self.training_started_s = time.monotonic() - self.started
                 if (self.training_s is None and self.training_started_s is not None
@@ -265,12 +306,18 @@ class Supervisor:
                     self.training_s = (time.monotonic() - self.started
                                        - self.training_started_s)
                 failed: dict[int, str] = {}
+                for rank in lone:  # a SIGTERM to this rank alone: its failure
+                    if rank not in done and workers[rank].poll() is None:
+                        workers[rank].kill()
+                        workers[rank].wait()
+                        failed[rank] = "sigterm"
                 for rank, process in workers.items():
-                    if rank in done:
+                    if rank in done or rank in failed:
                         continue
                     code = process.poll()
                     if code == 0:
                         done.add(rank)
+                        finished_ok.add(rank)
                     elif code is not None and self._training_finished(store, rank, process.pid):
                         # No generation can form without the ranks that finished, and
                         # there is nothing left to train: the failure is reported, not
@@ -371,6 +418,47 @@ class Supervisor:
         self._stop(_every_process({}, unused), grace_s=self.timeout_s)
         return self._after_training(after_training)
 
+    def _preemption(self, store: TCPStore, workers: dict[int, WorkerProcess],
+                    done: set[int], preempted: set[int], finished: set[int],
+                    idle: list[tuple[int, WorkerProcess]],
+                    idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]
+                    ) -> int | None:
+        """While the job is preempted: tell the workers (once), collect those that
+        stopped, and once all did or the grace ran out, the job's exit code
+        (``EXIT_PREEMPTED`` when every rank stopped on it, else ``128 + SIGTERM``)."""
+        assert self._preempted_at is not None
+        if not store.check([PREEMPT_KEY]):
+            store.set(PREEMPT_KEY, "1")
+            log.warning("supervisor: the job is preempted (SIGTERM); every rank commits a "
+                        "durable checkpoint and stops within %g s", self.preempt_grace_s)
+        for rank, process in workers.items():
+            code = process.poll()
+            if rank not in done and code is not None:
+                done.add(rank)
+                if code in (EXIT_PREEMPTED, -signal.SIGTERM, 128 + signal.SIGTERM):
+                    preempted.add(rank)
+                elif code == 0:  # its training had ended: nothing left to save
+                    finished.add(rank)
+        late = time.monotonic() - self._preempted_at > self.preempt_grace_s
+        if len(done) < self.world_size and not late:
+            return None
+        everyone = _every_process(workers, idle, idle_nodes)
+        for index, _ in [*idle, *(spare for _, spares in idle_nodes for spare in spares)]:
+            store.set(f"spare/{index}", json.dumps(None))  # the spares leave
+        self._stop(everyone, grace_s=0.0 if late else self.preempt_grace_s)
+        if finished == set(workers):
+            return 0  # the job was done before the preemption reached it
+        missing = sorted(set(workers) - preempted - finished)
+        if missing:
+            log.error("supervisor: rank(s) %s did not stop on the preemption within %g s "
+                      "(killed); the job ends with %d", missing, self.preempt_grace_s,
+                      128 + signal.SIGTERM)
+            return 128 + int(signal.SIGTERM)
+        log.warning("supervisor: every rank stopped on the preemption; started again, the "
+                    "job resumes from its newest committed durable checkpoint (exit code %d)",
+                    EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+
     def _start_all(self, base: dict[str, str], master_port: int,
                    workers: dict[int, WorkerProcess], idle: list[tuple[int, WorkerProcess]],
                    idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]) -> None:
@@ -407,6 +495,7 @@ class Supervisor:
                 self.world_size, self.spares = layout.world_size, layout.spares
                 self.spare_nodes, self.timeout_s = layout.spare_nodes, layout.timeout_s
                 self.max_restarts = layout.max_restarts
+                self.preempt_grace_s = layout.preempt_grace_s
                 self._check_shape()
         except ValueError as error:
             store.set(READY_KEY, json.dumps({"error": f"supervisor: {error}"}))
@@ -605,10 +694,42 @@ class Supervisor:
                 process.wait()
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    """SIGTERM ends the supervisor as Ctrl-C would: through its clean-up, which stops the
-    workers by pid (Python's default would leave them running, orphaned)."""
-    raise SystemExit(128 + signum)
+@dataclass
+class _SigtermWatch:
+    """Which ranks received a SIGTERM (each worker reports it to the store), and whether
+    that is a preemption of the job (every live rank within ``SIGTERM_DECIDE_S``) or the
+    failure of the ranks it reached alone."""
+
+    seen: int = 0  # reports read so far
+    since: dict[tuple[int, int], float] = field(default_factory=dict)  # (rank, pid) -> when
+    handled: set[tuple[int, int]] = field(default_factory=set)
+
+    def poll(self, store: TCPStore, workers: Mapping[int, WorkerProcess], done: set[int]
+             ) -> tuple[list[int], bool]:
+        """Read new reports: the ranks whose lone SIGTERM is now their failure, and whether
+        every live rank received one (the job is preempted)."""
+        count = int(store.add(SIGTERMS_KEY, 0))
+        if count != self.seen:
+            self.seen = count
+            now = time.monotonic()
+            for rank, process in workers.items():
+                key = (rank, process.pid)
+                if key not in self.since and store.check([sigterm_key(*key)]):
+                    self.since[key] = now
+        live = {(rank, p.pid) for rank, p in workers.items() if rank not in done}
+        pending = {key: t for key, t in self.since.items()
+                   if key not in self.handled and key in live}
+        if not pending:
+            return [], False
+        if live <= set(pending):
+            self.handled.update(pending)
+            return [], True
+        lone = [key for key, t in pending.items() if time.monotonic() - t > SIGTERM_DECIDE_S]
+        self.handled.update(lone)
+        for rank, pid in lone:
+            log.warning("supervisor: rank %d (pid %d) alone received a SIGTERM (the job was "
+                        "not preempted): it is killed and replaced as a failed rank", rank, pid)
+        return [rank for rank, _ in lone], False
 
 
 def _every_process(workers: dict[int, WorkerProcess], idle: list[tuple[int, WorkerProcess]],

@@ -77,6 +77,7 @@ class JobLayout:
     spare_nodes: int = 0
     timeout_s: float = 60.0
     max_restarts: int = 3
+    preempt_grace_s: float = 20.0
 
     def tasks(self, ranks_per_node: int) -> int:
         """How many tasks the launcher must start for it."""

@@ -221,3 +221,23 @@ def skip_first_sigterm_broadcast(trainer: L.Trainer) -> None:
         loop._broadcast_sigterm_tensor = broadcast  # type: ignore[method-assign]
 
     loop._broadcast_sigterm_tensor = skip_once  # type: ignore[method-assign]
+
+
+def request_stop(trainer: L.Trainer) -> None:
+    """Stop training at the end of this batch, as a SIGTERM to this process would in
+    Lightning: its epoch loop raises ``SIGTERMException`` at the end of a batch during
+    which the flag was set. Set here on the training thread, at a batch boundary, instead
+    of by Lightning's signal handler (which broadcasts from inside the handler). Lightning
+    keeps the flag on its signal connector (no public setter)."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def stop_peers(trainer: L.Trainer) -> None:
+    """On rank 0, once it stopped on :func:`request_stop`: make the broadcast the other
+    ranks wait in at the start of their next batch (Lightning's per-batch broadcast of
+    rank 0's SIGTERM flag, which stops them with ``SIGTERMException`` before they run it)
+    and its barrier, as Lightning's loop does on rank 0 when the flag is set before a
+    batch. Every rank then stops at the same step."""
+    flag = torch.tensor([1], device=trainer.strategy.root_device)
+    torch.distributed.broadcast(flag, src=0)
+    torch.distributed.barrier()

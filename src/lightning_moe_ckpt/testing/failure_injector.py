@@ -95,7 +95,9 @@ def fail_for_real(event: FailureEvent, checkpoint_dirs: Sequence[Path] = ()
     if fault is not None:
         add_write_fault(fault)
         return fault
-    if event.kind == "kill":
+    if event.kind == "sigterm":  # its handler notes it; the supervisor decides
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif event.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif event.kind == "exit":
         os._exit(1)

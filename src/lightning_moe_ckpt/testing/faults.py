@@ -45,9 +45,10 @@ SCHEDULES = ("none", "at", "mtbf", "trace")
 # is destroyed in place (the simulator-calibrated benchmark); the others are real: the
 # failing rank does it to itself and nobody else reads the schedule. disk_full: from its
 # step on, every file the rank writes fails with ENOSPC (the process lives on).
-FaultKind = Literal["simulated", "kill", "exit", "exception", "hang", "disk_full"]
+FaultKind = Literal["simulated", "kill", "exit", "exception", "hang", "disk_full",
+                    "sigterm"]
 KINDS: tuple[FaultKind, ...] = ("simulated", "kill", "exit", "exception", "hang",
-                                "disk_full")
+                                "disk_full", "sigterm")
 
 
 @dataclass(frozen=True, order=True)
@@ -64,7 +65,9 @@ class FailureEvent:
         kind: How it fails: ``"simulated"`` (default; its state is destroyed in place and
             every rank recovers together) or a real failure the rank does to itself:
             ``"kill"`` (SIGKILL), ``"exit"`` (``os._exit(1)``), ``"exception"`` (an
-            exception in the training step), ``"hang"`` (no progress) or ``"disk_full"``
+            exception in the training step), ``"hang"`` (no progress), ``"sigterm"`` (a
+            SIGTERM to this process alone, as an OOM killer or a node agent sends it:
+            its failure, not the job's preemption) or ``"disk_full"``
             (from that step on every file it writes into its checkpoint directories fails
             with ENOSPC, the writes taken before having ended; it trains on).
     """
