@@ -56,6 +56,7 @@ from lightning_moe_ckpt.core.rng import restore_rng, rng_state
 from lightning_moe_ckpt.core.target import (
     RankReplacement,
     StepHooks,
+    StepIndexedData,
     StepResult,
     TrainingTarget,
     UserModelParallelism,
@@ -412,7 +413,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
             job = JobStore.from_env() if trainer.world_size > 1 else None
             self.preemption = Preemption(job, self.preempt_grace_s)
             self.preemption.install()
-        if not isinstance(pl_module, MoELanguageModule):  # its data is indexed by step
+        if not isinstance(pl_module, StepIndexedData):
             self.data_position.train_starts(trainer)  # a resumed run reads on where it was
         if self.target is not None:
             return  # attached already (FailureInjector listed first)
@@ -524,7 +525,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         checkpoint[RNG_KEY] = rng_state()  # the RNG the next step starts from
-        if not isinstance(pl_module, MoELanguageModule):
+        if not isinstance(pl_module, StepIndexedData):
             checkpoint[DATA_POSITION_KEY] = self.data_position.state(trainer)
 
     @override

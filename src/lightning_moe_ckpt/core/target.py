@@ -32,6 +32,13 @@ from lightning_moe_ckpt.core.registry import OperatorRegistry
 from lightning_moe_ckpt.errors import IterationAborted
 
 
+class StepIndexedData:
+    """Declares that a LightningModule's training data is indexed by the optimizer step:
+    its ``train_dataloader`` starts at ``trainer.global_step``, so a run resumed from a
+    checkpoint reads on where it was without a saved data position (the built-in
+    modules do; a module of your own need not)."""
+
+
 class StepResult(Protocol):
     """Per-iteration values an observer reads after the optimizer step (device tensors)."""
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_moe_ckpt.core.target import UserModelParallelism
+from lightning_moe_ckpt.core.target import StepIndexedData, UserModelParallelism
 from lightning_moe_ckpt.data.sampler import SeekableSampler
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.models.config import MoEModelConfig
@@ -49,7 +49,7 @@ def build_hf_model(cfg: MoEModelConfig, seed: int) -> nn.Module:
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**options))
 
 
-class HFLanguageModule(PipelineTrainable, L.LightningModule):
+class HFLanguageModule(StepIndexedData, PipelineTrainable, L.LightningModule):
     """Next-byte prediction with a Hugging Face MoE, automatic optimization; under
     ``MoEParallelStrategy`` its model is split by the built-in plan."""
 
@@ -84,8 +84,11 @@ class HFLanguageModule(PipelineTrainable, L.LightningModule):
     def train_dataloader(self) -> DataLoader[dict[str, Any]]:
         strategy = self.trainer.strategy
         shard = strategy.data_shard if isinstance(strategy, UserModelParallelism) else 0
-        return DataLoader(IterationDataset(self.sampler, self.settings.max_steps, shard=shard),
-                          batch_size=None)
+        # Indexed by step: a resumed run reads on from the checkpoint's step (max_steps items
+        # from there, as Lightning restores its count of the epoch's batches too).
+        start = self.trainer.global_step
+        return DataLoader(IterationDataset(self.sampler, start + self.settings.max_steps,
+                                           start=start, shard=shard), batch_size=None)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -19,7 +19,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_moe_ckpt.core.target import IterationAborted
+from lightning_moe_ckpt.core.target import IterationAborted, StepIndexedData
 from lightning_moe_ckpt.targets.lightning import align_trainer_step
 from lightning_moe_ckpt.training.data import IterationDataset, RunData, build_data
 from lightning_moe_ckpt.training.engine import EngineProvider, TrainingEngine
@@ -29,7 +29,7 @@ from lightning_moe_ckpt.training.settings import TrainingSettings
 from lightning_moe_ckpt.training.step_log import ValidationMetrics, evaluate, step_log_values
 
 
-class MoELanguageModule(L.LightningModule):
+class MoELanguageModule(StepIndexedData, L.LightningModule):
     """Trains a :class:`~lightning_moe_ckpt.models.MoETransformer` on next-byte prediction.
 
     Args:
