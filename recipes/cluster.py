@@ -57,16 +57,18 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def task_environment(task: int, nodes: int, per_node: int, port: int) -> dict[str, str]:
-    """What srun gives task ``task`` of a ``nodes`` x ``per_node`` step (block layout)."""
+def task_environment(task: int, nodes: int, per_node: int, store: str, job_id: str
+                     ) -> dict[str, str]:
+    """What srun gives task ``task`` of a ``nodes`` x ``per_node`` step (block layout),
+    with the supervisor's store at ``store`` (host:port)."""
     node = task // per_node
-    return {**os.environ, "SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0",
+    return {**os.environ, "SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0",
             "SLURM_JOB_NAME": "cluster", "SLURM_PROCID": str(task),
             "SLURM_NTASKS": str(nodes * per_node), "SLURM_NNODES": str(nodes),
             "SLURM_NODEID": str(node), "SLURM_LOCALID": str(task % per_node),
             "SLURM_NTASKS_PER_NODE": str(per_node),
             "SLURM_STEP_TASKS_PER_NODE": f"{per_node}(x{nodes})",
-            "SLURMD_NODENAME": f"node{node}", "MOE_STORE": f"127.0.0.1:{port}"}
+            "SLURMD_NODENAME": f"node{node}", "MOE_STORE": store}
 
 
 class _Preemption:
@@ -103,9 +105,16 @@ class _Preemption:
 
 
 def run(nodes: int, per_node: int, command: Sequence[str], supervisor_args: Sequence[str] = (),
-        preempt_at_step: int | None = None, preempt_grace_s: float = KILL_WAIT_S) -> int:
+        preempt_at_step: int | None = None, preempt_grace_s: float = KILL_WAIT_S,
+        job_id: str | None = None, tasks_only: bool = False) -> int:
     """Run ``command`` as ``nodes`` x ``per_node`` tasks beside the supervisor; returns
-    the supervisor's exit code (``128 + SIGKILL`` when a preemption's grace ran out)."""
+    the supervisor's exit code (``128 + SIGKILL`` when a preemption's grace ran out).
+    ``tasks_only``: start the tasks alone, as ``srun`` in a batch script that started the
+    supervisor itself (``MOE_STORE`` in the environment); returns the tasks' largest exit
+    code, as srun does."""
+    job = job_id if job_id is not None else os.environ.get("SLURM_JOB_ID", str(os.getpid()))
+    if tasks_only:
+        return _run_tasks(nodes, per_node, command, os.environ["MOE_STORE"], job)
     port = _free_port()
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "lightning_moe_ckpt.supervise",
@@ -114,14 +123,7 @@ def run(nodes: int, per_node: int, command: Sequence[str], supervisor_args: Sequ
     tasks: list[subprocess.Popen[bytes]] = []
     groups: list[int] = []  # each node's process group
     try:
-        for task in range(nodes * per_node):
-            first = task % per_node == 0
-            process = subprocess.Popen([sys.executable, *command],
-                                       env=task_environment(task, nodes, per_node, port),
-                                       process_group=0 if first else groups[-1])
-            if first:
-                groups.append(process.pid)
-            tasks.append(process)
+        _start_tasks(nodes, per_node, command, f"127.0.0.1:{port}", job, tasks, groups)
         preemption = (None if preempt_at_step is None
                       else _Preemption(port, preempt_at_step, preempt_grace_s))
         while supervisor.poll() is None:
@@ -153,6 +155,41 @@ def run(nodes: int, per_node: int, command: Sequence[str], supervisor_args: Sequ
         return int(supervisor.returncode)
     finally:
         _end(supervisor, tasks, groups)
+
+
+def _start_tasks(nodes: int, per_node: int, command: Sequence[str], store: str, job: str,
+                 tasks: list[subprocess.Popen[bytes]], groups: list[int]) -> None:
+    """Start every task, each node's in a process group of its own."""
+    for task in range(nodes * per_node):
+        first = task % per_node == 0
+        process = subprocess.Popen([sys.executable, *command],
+                                   env=task_environment(task, nodes, per_node, store, job),
+                                   process_group=0 if first else groups[-1])
+        if first:
+            groups.append(process.pid)
+        tasks.append(process)
+
+
+def _run_tasks(nodes: int, per_node: int, command: Sequence[str], store: str, job: str
+               ) -> int:
+    """The tasks alone (``--tasks-only``): their largest exit code once all ended."""
+    tasks: list[subprocess.Popen[bytes]] = []
+    groups: list[int] = []
+
+    def pass_on(number: int, frame: object) -> None:  # as srun passes a signal to its tasks
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, number)
+
+    signal.signal(signal.SIGTERM, pass_on)
+    try:
+        _start_tasks(nodes, per_node, command, store, job, tasks, groups)
+        codes = [task.wait() for task in tasks]
+        return max((128 - code if code < 0 else code) for code in codes)
+    finally:
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
 
 
 def _end(supervisor: subprocess.Popen[bytes], tasks: Sequence[subprocess.Popen[bytes]],
@@ -191,6 +228,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preempt-grace-s", type=float, default=KILL_WAIT_S,
                         help="seconds from the preemption's SIGTERM to its SIGKILL "
                              f"(SLURM's KillWait; default {KILL_WAIT_S:g})")
+    parser.add_argument("--job-id", default=None,
+                        help="SLURM_JOB_ID of the tasks (default: a new one per run; give the "
+                             "same one to stand in for a requeued job)")
+    parser.add_argument("--tasks-only", action="store_true",
+                        help="start the tasks alone, as srun in a batch script that started "
+                             "the supervisor itself (MOE_STORE set); exit with their largest "
+                             "exit code")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- SCRIPT [ARGS]: what each task runs with python")
     args = parser.parse_args(argv)
@@ -207,8 +251,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              or args.preempt_grace_s <= 0):
         parser.error(f"--preempt-at-step={args.preempt_at_step} must be >= 0 and "
                      f"--preempt-grace-s={args.preempt_grace_s} > 0")
+    if args.tasks_only and ("MOE_STORE" not in os.environ or args.supervisor_arg
+                            or args.preempt_at_step is not None):
+        parser.error("--tasks-only starts no supervisor: it needs MOE_STORE=host:port of the "
+                     "one the batch script started, and takes no --supervisor-arg or "
+                     "--preempt-at-step")
     return run(args.nodes, args.ranks_per_node, command, args.supervisor_arg,
-               args.preempt_at_step, args.preempt_grace_s)
+               args.preempt_at_step, args.preempt_grace_s, args.job_id, args.tasks_only)
 
 
 if __name__ == "__main__":

@@ -382,7 +382,7 @@ def _resume_settings(settings: RunSettings) -> RunSettings:
     checkpoint = settings.checkpoint
     if settings.ckpt_path is not None or is_replacement() or ENV_SPARE in os.environ:
         return settings
-    first = os.environ.get("RANK", "0") == "0"
+    first = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
     if checkpoint.durable_every is None or checkpoint.durable_dir is None:
         if first and _earlier_run_in(Path(settings.out_dir)):
             log.warning("starting afresh at step 0: out_dir=%s holds an earlier run, but "

@@ -26,6 +26,7 @@ from lightning_moe_ckpt.replication.shared_slots import SAME_NODE_REPLICAS
 from lightning_moe_ckpt.snapshots.checksum import require_checksum_threads
 from lightning_moe_ckpt.snapshots.helper_threads import DEFAULT_HELPER_NICE, require_helper_nice
 from lightning_moe_ckpt.training.settings import DataSettings, OptimSettings, TrainingSettings
+from moe_recipes.run_name import register as register_run_name
 from moe_recipes.statistics import require_paired_blocks
 
 Api = Literal["trainer", "fabric"]
@@ -37,6 +38,8 @@ PARALLEL_KEYS = ("dp", "dp_shard", "ep", "microbatches", "pp", "ranks_per_node",
                  "spare_nodes", "spares")
 TRAINER_KEYS = ("global_batch", "log_every", "max_steps", "optim", "precision", "progress_bar",
                 "seed", "val_batches", "val_every")
+
+register_run_name()  # ${moe_run_name:} in conf/train.yaml
 
 
 @dataclass(frozen=True)

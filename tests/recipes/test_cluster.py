@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -116,73 +117,101 @@ def test_a_hung_node_is_killed_by_its_monitors_and_taken_over_bitwise(
     assert_states_equal(golden / "final_state.pt", tmp_path / "final_state.pt")
 
 
-PP2_DP2_DURABLE = (*PP2_DP2[:3], "trainer.max_steps=12", "checkpoint.window=3",
-                   "checkpoint.durable_every=3", "recovery.timeout_s=60")
+def _guide_script() -> str:
+    """The SLURM batch script of docs/guides/cluster.md, as written there."""
+    text = (REPO / "docs" / "guides" / "cluster.md").read_text()
+    section = text[text.index("## SLURM"):]
+    body = section[section.index("```bash\n") + len("```bash\n"):]
+    return body[:body.index("\n```")] + "\n"
 
 
-def test_a_lost_node_without_a_spare_ends_the_job_and_the_same_command_resumes_it_bitwise(
-        tmp_path: Path) -> None:
-    """Two nodes, no spare: node 1 is lost at step 10 and the job ends with the
-    documented exit code; the same command run again resumes from the newest complete
-    durable checkpoint by itself, the fault does not strike again, and the job ends
-    bitwise equal to the run without the failure."""
-    golden = run_recipe(tmp_path / "golden", *PP2_DP2_DURABLE)
-    assert golden.returncode == 0, golden.stderr[-4000:]
-    job = tmp_path / "job"
-    command = (*PP2_DP2_DURABLE, "faults=at", "faults.kind=kill",
-               "faults.events=[{step: 10, node: 1}]")
-    first = run_cluster(job, 2, *command)
-    assert first.returncode == EXIT_NO_SPARE, first.stderr[-4000:]
-    assert "no spare task is left" in first.stderr
-    assert not (job / "final_state.pt").exists()
-    second = run_cluster(job, 2, *command)
-    assert second.returncode == 0, second.stderr[-4000:]
-    assert "resuming from the newest committed durable checkpoint" in second.stderr
-    metrics = json.loads((job / "metrics.json").read_text())
-    assert metrics["failures_injected"] == 0 and metrics["replacements"] == []
-    assert_states_equal(tmp_path / "golden" / "final_state.pt", job / "final_state.pt")
+def _stand_ins(bin_dir: Path, requeues: Path) -> None:
+    """``srun`` (recipes/cluster.py --tasks-only), ``scontrol`` (records a requeue) and
+    ``hostname`` (this machine's loopback address) for the batch script."""
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(f"""#!{sys.executable}
+import os, sys
+args = sys.argv[1:]
+while args and args[0].startswith("-"):
+    args.pop(0)  # srun's own options
+if args and args[0] == "python":
+    args.pop(0)
+os.execv(sys.executable, [sys.executable, {str(CLUSTER)!r}, "--tasks-only",
+         "--nodes", os.environ["SLURM_NNODES"],
+         "--ranks-per-node", os.environ["SLURM_NTASKS_PER_NODE"], "--", *args])
+""")
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {requeues}\n')
+    (bin_dir / "hostname").write_text("#!/bin/bash\necho 127.0.0.1\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
 
 
-def test_a_preempted_job_commits_the_step_it_stops_at_and_resumes_from_it_bitwise(
-        tmp_path: Path, golden: Path) -> None:
-    """SIGTERM to the supervisor and every task once rank 0 begins step 3 (as SLURM
-    preempts), SIGKILL 30 s later: every rank stops at the same step, commits a durable
-    checkpoint of it (the only one: the cadence would take none before step 100) and
-    exits with the preempted code; the same command started again resumes from it and
-    ends bitwise equal to the run never preempted."""
-    from lightning_moe_ckpt.failures.supervisor import EXIT_PREEMPTED
-    from lightning_moe_ckpt.recovery.manifest import committed_steps
-
-    command = (*PP2_DP2, "checkpoint.durable_every=100")
-    preempted = run_cluster(tmp_path, 2, *command, cluster_args=("--preempt-at-step", "3"))
-    assert preempted.returncode == EXIT_PREEMPTED, preempted.stderr[-4000:]
-    (step,) = committed_steps(tmp_path / "durable")
-    assert 3 <= step < 16
-    assert f"preempted at step {step}: its part of the durable checkpoint" in preempted.stderr
-    assert not (tmp_path / "final_state.pt").exists()
-    resumed = run_cluster(tmp_path, 2, *command)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"resuming from the newest committed durable checkpoint {tmp_path / 'durable'}" \
-           f"/step={step}.ckpt" in resumed.stderr
-    assert_states_equal(golden / "final_state.pt", tmp_path / "final_state.pt")
+def _sbatch(job_dir: Path, nodes: int, per_node: int, job_id: str, *args: str
+            ) -> subprocess.CompletedProcess[str]:
+    """The guide's script run as SLURM would run the batch step of job ``job_id``, in
+    ``job_dir`` (the submission directory), with the recipe's settings as its arguments."""
+    script = job_dir / "train.sbatch"
+    if not script.exists():
+        script.write_text(_guide_script())
+        for name in ("recipes", "conf"):
+            (job_dir / name).symlink_to(REPO / name)
+        _stand_ins(job_dir / "bin", job_dir / "requeues.txt")
+    env = {**os.environ, "PATH": f"{job_dir / 'bin'}:{Path(sys.executable).parent}:"
+                                 f"{os.environ['PATH']}",
+           "SLURM_JOB_ID": job_id, "SLURM_NNODES": str(nodes),
+           "SLURM_NTASKS": str(nodes * per_node), "SLURM_NTASKS_PER_NODE": str(per_node),
+           "MOE_PORT": str(_free_port()), "HYDRA_FULL_ERROR": "1"}
+    return run_bounded(["bash", str(script), "trainer.progress_bar=false", *args], env=env,
+                       cwd=job_dir)
 
 
-@pytest.mark.parametrize("spares", [2, 0], ids=["with-a-spare", "no-spare"])
-def test_a_sigterm_to_one_worker_is_its_failure(tmp_path: Path, golden: Path,
-                                                spares: int) -> None:
-    """A SIGTERM to rank 1 alone (an OOM killer, a node agent) is not a preemption: the
-    supervisor kills the rank and a spare task takes it over (the job ends bitwise), or,
-    with no spare, the job ends with the no-spare code (a committed checkpoint is left)."""
-    command = (*PP2_DP2, f"parallel.spares={spares}", "checkpoint.durable_every=4",
-               "faults=at", "faults.kind=sigterm", "faults.events=[{step: 9, rank: 1}]")
-    result = run_cluster(tmp_path, 3 if spares else 2, *command)
-    assert "rank 1 (pid" in result.stderr and "alone received a SIGTERM" in result.stderr
-    if spares:
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+HF_PP2 = ("model=hf_qwen3_moe", "parallel.pp=2", "parallel.microbatches=2",
+          "trainer.max_steps=10", "checkpoint.window=3", "recovery.timeout_s=60")
+FABRIC_PP2 = ("api=fabric", "parallel.pp=2", "parallel.microbatches=2",
+              "trainer.max_steps=10", "checkpoint.window=3", "recovery.timeout_s=60")
+
+
+@pytest.mark.parametrize(("layout", "per_node", "lost_at"), [
+    (PP2_DP2, 2, 10), (HF_PP2, 1, 7), (FABRIC_PP2, 1, 7)],
+    ids=["builtin", "hf_qwen3_moe", "fabric"])
+def test_the_guides_slurm_script_requeues_a_job_with_no_spare_left_and_it_resumes_bitwise(
+        tmp_path: Path, golden: Path, layout: tuple[str, ...], per_node: int,
+        lost_at: int) -> None:
+    """The batch script of the cluster guide, as written, on two nodes with no spare:
+    node 1 is lost, the job ends with the no-spare code and the script requeues it; run
+    again as the requeued job (the same job id, so the same out_dir), it resumes from the
+    newest committed durable checkpoint by itself, the fault does not strike again, and
+    the job ends bitwise equal to the run without the failure."""
+    reference = golden
+    if layout is not PP2_DP2:
+        reference = tmp_path / "golden"
+        result = run_recipe(reference, *layout)
         assert result.returncode == 0, result.stderr[-4000:]
-        _replaced(tmp_path, [1], cause="sigterm")
-        assert_states_equal(golden / "final_state.pt", tmp_path / "final_state.pt")
-    else:
-        assert result.returncode == EXIT_NO_SPARE, result.stderr[-4000:]
+    job_dir = tmp_path / "submitted"
+    job_dir.mkdir()
+    command = (*layout, "checkpoint.durable_every=3", "faults=at", "faults.kind=kill",
+               f"faults.events=[{{step: {lost_at}, node: 1}}]")
+    first = _sbatch(job_dir, 2, per_node, "4242", *command)
+    assert first.returncode == EXIT_NO_SPARE, first.stderr[-4000:] + first.stdout[-2000:]
+    assert "no spare task is left" in first.stderr
+    assert (job_dir / "requeues.txt").read_text().split() == ["requeue", "4242"]
+    out = job_dir / "outputs" / "train" / "job-4242"
+    assert not (out / "final_state.pt").exists()
+    second = _sbatch(job_dir, 2, per_node, "4242", *command)
+    assert second.returncode == 0, second.stderr[-4000:] + second.stdout[-2000:]
+    assert ("resuming from the newest committed durable checkpoint outputs/train/job-4242/durable"
+            in second.stderr)
+    assert (job_dir / "requeues.txt").read_text().split() == ["requeue", "4242"]  # once
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["failures_injected"] == 0
+    assert_states_equal(reference / "final_state.pt", out / "final_state.pt")
 
 
 def test_tasks_that_do_not_fit_the_job_stop_it_at_once_with_the_numbers(

@@ -3,9 +3,11 @@
 ``configure_model`` calls ``fully_shard`` on every decoder layer and on the root, under
 Lightning's own ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``;
 ``SparseCheckpointing`` is the only thing of this library the script adds. Run as a script:
-``python tests/sharded/fsdp_workload.py OUT_DIR [FAIL_AT[:KIND]] [--ddp]`` on both ranks,
-as ``torchrun`` starts them (``--ddp``: the same model replicated, for the unsharded
-figures); with a real ``KIND`` rank 1 really fails at ``FAIL_AT``, which needs the script
+``python tests/sharded/fsdp_workload.py OUT_DIR [FAIL_AT[:KIND]] [--ddp] [--durable]`` on
+both ranks, as ``torchrun`` starts them (``--ddp``: the same model replicated, for the
+unsharded figures; ``--durable``: a durable checkpoint every 3 steps into
+``OUT_DIR/durable``, and the run resumes by itself from the newest committed one there, as
+the durable tier's guide shows); with a real ``KIND`` rank 1 really fails at ``FAIL_AT``, which needs the script
 to run under ``python -m lightning_moe_ckpt.supervise --workers 2``: ``kill`` (the failure
 injector's, as the step begins), ``kill_in_forward`` (SIGKILL once the second decoder
 layer's forward ran) or ``kill_in_backward`` (once the first layer's backward ran). Each rank
@@ -31,6 +33,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
+from lightning_moe_ckpt.recovery import newest_committed_durable
 from lightning_moe_ckpt.testing import AtSchedule, FailureInjector
 from tests.anymodel.harness import STEPS, WINDOW, StepLosses
 from tests.anymodel.models import LMModule, qwen3_moe, random_token_loader
@@ -83,10 +86,15 @@ def _local(tensor: Any) -> Any:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def main(out: Path, fail: str | None, ddp: bool) -> None:
+def main(out: Path, fail: str | None, ddp: bool, durable: bool = False) -> None:
     torch.set_num_threads(1)
     module = (LMModule if ddp else ShardedLM)(qwen3_moe(seed=0))
-    checkpointing = SparseCheckpointing("moevement", replicas=1, window=WINDOW)
+    durable_dir = out / "durable"
+    checkpointing = SparseCheckpointing(
+        "moevement", replicas=1, window=WINDOW, durable_every=3 if durable else None,
+        durable_dir=str(durable_dir) if durable else None)
+    # The user's script starts again where the stopped job left off (None: afresh).
+    resume = newest_committed_durable(durable_dir) if durable else None
     spy = StepLosses()
     callbacks: list[L.Callback] = [checkpointing, spy]
     injector = None
@@ -97,7 +105,8 @@ def main(out: Path, fail: str | None, ddp: bool) -> None:
         else:
             event = {"step": int(step), "rank": FAILED_RANK,
                      "kind": kind[0] if kind else "simulated"}
-            injector = FailureInjector(AtSchedule([event], 2), checkpointing)
+            injector = FailureInjector(AtSchedule([event], 2), checkpointing,
+                                       struck_log=out / "struck.jsonl")
             callbacks.append(injector)
     strategy: Any = "ddp" if ddp else ModelParallelStrategy(data_parallel_size=2,
                                                            tensor_parallel_size=1)
@@ -105,7 +114,7 @@ def main(out: Path, fail: str | None, ddp: bool) -> None:
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks,
                         gradient_clip_val=CLIP)
-    trainer.fit(module, random_token_loader(n_batches=2 * (STEPS + 2)))
+    trainer.fit(module, random_token_loader(n_batches=2 * (STEPS + 2)), ckpt_path=resume)
     optimizer = trainer.optimizers[0]
     names = {id(p): n for n, p in module.named_parameters()}
     assert checkpointing.coordinator is not None
@@ -122,7 +131,7 @@ def main(out: Path, fail: str | None, ddp: bool) -> None:
         "recoveries": [] if injector is None else injector.recoveries,
         "snapshot_bytes_per_iter": metrics["snapshot_bytes_per_iter"],
         "operators": checkpointing.operator_names(),
-        "pid": os.getpid(),
+        "pid": os.getpid(), "resumed_from": resume,
         "real_recoveries": ([] if checkpointing.peer_failures is None
                             else checkpointing.peer_failures.recoveries),
     }, out / f"rank{trainer.global_rank}.pt")
@@ -130,6 +139,7 @@ def main(out: Path, fail: str | None, ddp: bool) -> None:
 
 
 if __name__ == "__main__":
-    arguments = [a for a in sys.argv[1:] if a != "--ddp"]
-    main(Path(arguments[0]), arguments[1] if len(arguments) > 1 else None, "--ddp" in sys.argv)
+    arguments = [a for a in sys.argv[1:] if a not in ("--ddp", "--durable")]
+    main(Path(arguments[0]), arguments[1] if len(arguments) > 1 else None, "--ddp" in sys.argv,
+         "--durable" in sys.argv)
     gc.freeze()  # the report is written: exit without traversing what training built

@@ -147,3 +147,36 @@ def test_under_a_launcher_a_spare_node_takes_the_killed_rank_and_every_shard_rec
         _assert_same_shards(killed[rank], unkilled[rank], rank)
         (recovery,) = killed[rank]["real_recoveries"]
         assert recovery["failed_step"] == FAIL_AT and recovery["failed_ranks"] == [1]
+
+
+@pytest.mark.distributed
+def test_a_stopped_job_of_a_sharded_module_resumes_by_itself_bitwise(
+        tmp_path: Path, unkilled: list[dict[str, Any]]) -> None:
+    """The sharded module with a durable checkpoint every 3 steps (a DCP directory of
+    each rank's shards under Lightning's ModelParallelStrategy, committed by its
+    manifest): rank 1 is killed at step 7 with no replacement allowed, so the job ends
+    with the no-spare code; the same command started again resumes from the newest
+    committed checkpoint (step 6) by itself and every shard ends bitwise equal to the
+    unkilled run."""
+    from lightning_moe_ckpt.failures.supervisor import EXIT_NO_SPARE
+    from lightning_moe_ckpt.recovery.manifest import committed_steps
+
+    out = tmp_path / "job"
+    out.mkdir()
+    module = "tests.sharded.fsdp_workload"
+    command = ["-m", "lightning_moe_ckpt.supervise", "--fork-workers", "--preload", module,
+               "--workers", "2", "--max-restarts", "0", "--timeout-s",
+               str(SUPERVISED_TIMEOUT_S), "-m", module, str(out), f"{FAIL_AT}:kill",
+               "--durable"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    first = run_python(command, env=env, cwd=REPO, ranks=1, timeout_s=300)
+    assert first.returncode == EXIT_NO_SPARE, first.stdout[-2000:] + first.stderr[-3000:]
+    assert committed_steps(out / "durable") == [3, 6]
+    assert (out / "durable" / "step=6.ckpt" / ".metadata").is_file()  # DCP's own layout
+    second = run_python(command, env=env, cwd=REPO, ranks=1, timeout_s=300)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    resumed = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank in range(2):
+        assert resumed[rank]["resumed_from"] == str(out / "durable" / "step=6.ckpt")
+        assert resumed[rank]["fired"] == 0  # the fault struck the first run only
+        _assert_same_shards(resumed[rank], unkilled[rank], rank)

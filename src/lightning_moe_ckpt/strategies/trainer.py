@@ -226,6 +226,13 @@ class MoEParallelStrategy(ParallelStrategy, SplitModelParallelism, EngineProvide
             self._route_clipping()
         super().setup(trainer)
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A user's model is split into this rank's stage in :meth:`setup`: a checkpoint
+        (which holds the stage) is loaded into it after that, not into the whole model."""
+        return isinstance(self.lightning_module, PipelineTrainable)
+
     def _route_clipping(self) -> None:
         """``gradient_clip_val`` clips by the norm over every stage and expert shard (a
         SparseCheckpointing target reroutes it again, to log the coefficient)."""
