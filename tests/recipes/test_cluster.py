@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from lightning_moe_ckpt.failures.supervisor import EXIT_NO_SPARE
+from lightning_moe_ckpt.recovery.manifest import committed_steps
 from tests.bounded import run_bounded
 from tests.conftest import REPO, alive
 from tests.recipes.test_train_recipe import TRAIN, assert_states_equal, run_recipe
@@ -68,16 +69,25 @@ def _replaced(out: Path, lost: list[int], cause: str = "exit -9") -> dict[str, A
     return metrics
 
 
-@pytest.mark.parametrize("node", [1, 0], ids=["last-stage", "the-node-of-rank-0"])
+# Windows of 3 start at steps 0, 3, 6, 9, ...; a durable checkpoint every 4 steps is taken
+# at global steps 4, 8, 12, 16. The failures below strike at each position of the window
+# 6..8 and on either side of the checkpoint of step 8 (iteration 7 runs before it, 8 after
+# it), and training goes on for two more checkpoints (12, 16) after the recovery.
+DURABLE = ("checkpoint.durable_every=4",)
+
+
+@pytest.mark.parametrize(("node", "step"), [(1, 7), (0, 8)],
+                         ids=["last-stage-before-a-checkpoint", "rank-0s-node-after-one"])
 def test_a_lost_node_is_taken_over_by_the_spare_node_bitwise(
-        tmp_path: Path, golden: Path, node: int) -> None:
+        tmp_path: Path, golden: Path, node: int, step: int) -> None:
     """pp=2 x dp=2 on nodes 0 and 1 (node n runs stage n), node 2 the spare: every rank of
-    node ``node`` is SIGKILLed at step 13. The spare node's tasks take its ranks, rank for
-    rank, their windows come from replicas on the other node, and the job ends bitwise
-    equal to the run without the failure (losing rank 0's node too: the store is not in
-    a training rank)."""
-    result = run_cluster(tmp_path, 3, *PP2_DP2, "parallel.spare_nodes=1", "faults=at",
-                         "faults.kind=kill", f"faults.events=[{{step: 13, node: {node}}}]")
+    node ``node`` is SIGKILLed at ``step``. The spare node's tasks take its ranks, rank for
+    rank, their windows come from replicas on the other node, every rank takes the next
+    durable checkpoints at the same steps, and the job ends bitwise equal to the run
+    without the failure (losing rank 0's node too: the store is not in a training rank)."""
+    result = run_cluster(tmp_path, 3, *PP2_DP2, *DURABLE, "parallel.spare_nodes=1",
+                         "faults=at", "faults.kind=kill",
+                         f"faults.events=[{{step: {step}, node: {node}}}]")
     assert result.returncode == 0, result.stderr[-4000:]
     lost = [2 * node, 2 * node + 1]
     metrics = _replaced(tmp_path, lost)
@@ -85,21 +95,24 @@ def test_a_lost_node_is_taken_over_by_the_spare_node_bitwise(
     assert [(r["node"], r["spare_node"]) for r in replacements] == [(node, 0), (node, 0)]
     assert sorted(r["new_pid"] for r in replacements) == sorted(metrics["spare_node_pids"][0])
     (recovery,) = metrics["real_recoveries"]
-    assert recovery["failed_step"] == 13 and recovery["failed_ranks"] == lost
+    assert recovery["failed_step"] == step and recovery["failed_ranks"] == lost
     sources = {(fetch["rank"], fetch["holder"] // 2) for fetch in recovery["windows_from"]}
     assert sources == {(rank, 1 - node) for rank in lost}  # replicas on the other node
+    assert committed_steps(tmp_path / "durable") == [12, 16]
     assert_states_equal(golden / "final_state.pt", tmp_path / "final_state.pt")
 
 
 def test_a_lost_rank_is_taken_over_by_a_spare_task_bitwise(
         tmp_path: Path, golden: Path) -> None:
-    """Node 2's two tasks are single spares; rank 1 alone is SIGKILLed at step 13."""
-    result = run_cluster(tmp_path, 3, *PP2_DP2, "parallel.spares=2", "faults=at",
-                         "faults.kind=kill", "faults.events=[{step: 13, rank: 1}]")
+    """Node 2's two tasks are single spares; rank 1 alone is SIGKILLed at step 6, the
+    first of a window."""
+    result = run_cluster(tmp_path, 3, *PP2_DP2, *DURABLE, "parallel.spares=2", "faults=at",
+                         "faults.kind=kill", "faults.events=[{step: 6, rank: 1}]")
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = _replaced(tmp_path, [1])
     (replacement,) = metrics["replacements"]
     assert replacement["new_pid"] in metrics["spare_pids"]
+    assert committed_steps(tmp_path / "durable") == [12, 16]
     assert_states_equal(golden / "final_state.pt", tmp_path / "final_state.pt")
 
 
