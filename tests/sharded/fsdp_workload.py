@@ -2,17 +2,17 @@
 
 ``configure_model`` calls ``fully_shard`` on every decoder layer and on the root, under
 Lightning's own ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``;
-``SparseCheckpointing`` is the only thing of this library the script adds. Run as a script:
-``python tests/sharded/fsdp_workload.py OUT_DIR [FAIL_AT[:KIND]] [--ddp] [--durable]`` on
-both ranks, as ``torchrun`` starts them (``--ddp``: the same model replicated, for the
-unsharded figures; ``--durable``: a durable checkpoint every 3 steps into
-``OUT_DIR/durable``, and the run resumes by itself from the newest committed one there, as
-the durable tier's guide shows); with a real ``KIND`` rank 1 really fails at ``FAIL_AT``,
-which needs the script to run under ``python -m lightning_moe_ckpt.supervise --workers 2``: ``kill`` (the failure
-injector's, as the step begins), ``kill_in_forward`` (SIGKILL once the second decoder
-layer's forward ran) or ``kill_in_backward`` (once the first layer's backward ran). Each rank
-writes its local shards, optimizer state, losses, the snapshot bytes, its pid and its
-recoveries to ``OUT_DIR/rank<r>.pt``.
+``SparseCheckpointing`` is the only thing of this library the script adds. Run as a
+script: ``python tests/sharded/fsdp_workload.py OUT_DIR [FAIL_AT[:KIND]] [--ddp]
+[--durable]`` on both ranks, as ``torchrun`` starts them (``--ddp``: the same model
+replicated, for the unsharded figures; ``--durable``: a durable checkpoint every 3 steps
+into ``OUT_DIR/durable``, and the run resumes by itself from the newest committed one
+there, as the durable tier's guide shows); with a real ``KIND`` rank 1 really fails at
+``FAIL_AT``, which needs the script to run under ``python -m lightning_moe_ckpt.supervise
+--workers 2``: ``kill`` (the failure injector's, as the step begins), ``kill_in_forward``
+(SIGKILL once the second decoder layer's forward ran) or ``kill_in_backward`` (once the
+first layer's backward ran). Each rank writes its local shards, optimizer state, losses,
+the snapshot bytes, its pid and its recoveries to ``OUT_DIR/rank<r>.pt``.
 """
 
 # ruff: noqa: E402  (imports follow gc.disable(), below)
