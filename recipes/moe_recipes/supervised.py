@@ -97,7 +97,13 @@ def job_layout(settings: RunSettings) -> JobLayout:
     """The job's shape, for a supervisor that hosts a launcher's tasks."""
     return JobLayout(settings.layout.world_size, settings.spares, settings.spare_nodes,
                      settings.recovery.timeout_s, settings.recovery.max_restarts,
-                     settings.recovery.preempt_grace_s)
+                     settings.recovery.preempt_grace_s, _durable_dir(settings))
+
+
+def _durable_dir(settings: RunSettings) -> str:
+    """Where the job's durable checkpoints go ("" when it takes none)."""
+    checkpoint = settings.checkpoint
+    return "" if checkpoint.durable_every is None else str(checkpoint.durable_dir or "")
 
 
 def add_job_report(settings: RunSettings, job: JobStore) -> None:
@@ -126,7 +132,8 @@ def supervise_workers(settings: RunSettings) -> dict[str, Any]:
                             fork_workers=settings.recovery.fork_workers,
                             preload=RECIPE_IMPORTS, ranks_per_node=settings.ranks_per_node,
                             spare_nodes=settings.spare_nodes,
-                            preempt_grace_s=settings.recovery.preempt_grace_s)
+                            preempt_grace_s=settings.recovery.preempt_grace_s,
+                            durable_dir=_durable_dir(settings))
     code = supervisor.run()
     path = Path(settings.out_dir) / METRICS
     if code != 0:

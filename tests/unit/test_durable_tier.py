@@ -181,3 +181,17 @@ def test_bad_durable_settings_are_refused_naming_the_key(every: object, keep: ob
                                                          key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         DurableCheckpoints(every, "d", keep)  # type: ignore[arg-type]
+
+
+def test_a_fresh_start_at_step_0_over_committed_checkpoints_is_refused(tmp_path: Path) -> None:
+    """Started again without its ckpt_path, a run would train from scratch over the
+    checkpoints of the one it follows: refused, naming the directory and the newest; a
+    resume (start step > 0) or a replacement joining the job goes on."""
+    _write_rank_files(tmp_path, 6, range(2))
+    with pytest.raises(ConfigError, match=r"checkpoint\.durable_dir=.* holds committed durable "
+                                          r"checkpoints \(the newest: step=6\) and this run "
+                                          r"starts afresh at step 0"):
+        DurableCheckpoints(3, str(tmp_path), 2).start(rank=1, start_step=0, fresh=True)
+    DurableCheckpoints(3, str(tmp_path), 2).start(rank=1, start_step=0, fresh=False)
+    DurableCheckpoints(3, str(tmp_path), 2).start(rank=0, start_step=6, fresh=True)
+    assert committed_steps(tmp_path) == [6]

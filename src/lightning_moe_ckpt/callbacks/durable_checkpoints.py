@@ -189,9 +189,24 @@ class DurableCheckpoints:
     def start(self, rank: int, start_step: int, fresh: bool) -> None:
         """Training (re)starts on ``rank`` at ``start_step``; a ``fresh`` start (the job's,
         not a replacement's) of rank 0 first clears what earlier writes cut short (see
-        :func:`~lightning_moe_ckpt.recovery.manifest.clean_directory`)."""
+        :func:`~lightning_moe_ckpt.recovery.manifest.clean_directory`).
+
+        Raises:
+            ConfigError: A fresh start at step 0 over committed checkpoints (every rank
+                refuses it: a run started again without its ``ckpt_path`` would
+                otherwise train from scratch over the checkpoints of the one it follows).
+        """
         self.rank = rank
-        if self.directory is not None and self.every is not None and fresh and rank == 0:
+        if self.directory is None or self.every is None or not fresh:
+            return
+        committed = committed_steps(self.directory)
+        require(start_step > 0 or not committed,
+                f"checkpoint.durable_dir={self.directory!r} holds committed durable "
+                f"checkpoints (the newest: step={committed[-1] if committed else 0}) and this "
+                "run starts afresh at step 0: resume with "
+                "ckpt_path=newest_committed_durable(durable_dir) (the recipe does by "
+                "itself), or give another checkpoint.durable_dir to start afresh")
+        if rank == 0:
             clean_directory(self.directory, start_step)
 
     def source(self, trainer: L.Trainer | None) -> DurableSource | None:

@@ -64,7 +64,11 @@ from lightning_moe_ckpt.core.target import (
 from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
 from lightning_moe_ckpt.failures.join import check_replaceable, protect_user_module
 from lightning_moe_ckpt.failures.rendezvous import JobStore, await_assignment, supervised
-from lightning_moe_ckpt.failures.supervisor import EXIT_PREEMPTED, PREEMPT_GRACE_S
+from lightning_moe_ckpt.failures.supervisor import (
+    EXIT_PREEMPTED,
+    PREEMPT_GRACE_S,
+    is_replacement,
+)
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
 from lightning_moe_ckpt.planning.agreement import LargestAcrossRanks
 from lightning_moe_ckpt.planning.planner import CapturePlan
@@ -91,7 +95,9 @@ from lightning_moe_ckpt.training.lightning_module import MoELanguageModule
 
 log = logging.getLogger("lightning_moe_ckpt")
 
-_ONE = torch.ones(())  # the clip coefficient of a loop that does not clip
+_ONE = torch.ones(())
+# Lightning's warning when a run resumes mid-epoch with a loader it cannot position.
+_NOT_RESUMABLE = r"You're resuming from a checkpoint that ended before the epoch ended"  # the clip coefficient of a loop that does not clip
 
 
 def _ranks_per_node(fabric: Any) -> int:
@@ -213,6 +219,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         self.peer_failures: PeerFailureHandler | None = None
         self.preempt_grace_s = float(preempt_grace_s)
         self.preemption: Preemption | None = None  # SIGTERM handling (Trainer, once fitting)
+        self._fitting = False  # set up by a Trainer (whose on_train_start starts the tier)
         self.preempted_at: int | None = None  # the step training stopped at on a preemption
         # Lightning's ModelParallelStrategy, made to replace failed ranks (supervised).
         self._rank_replacement: ModelParallelReplacement | None = None
@@ -267,7 +274,8 @@ class SparseCheckpointing(L.Callback, StepHooks):
             self._pending_state = None
         # The state before the next step, kept (and replicated) as the first checkpoint.
         before = target.step - 1
-        self.durable.start(rank, target.step, fresh=take_initial)
+        if not self._fitting:  # under the Trainer: at on_train_start, once the step is known
+            self.durable.start(rank, target.step, fresh=take_initial)
         initial = CapturePlan(before, tuple(registry.names), (), before, 0, 1, None)
         disk_dir = None
         if self.policy == "checkfreq":  # CheckFreq persists its dense snapshots to disk
@@ -394,6 +402,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._fitting = stage == "fit"
         if isinstance(trainer.strategy, MoEParallelStrategy):
             self.hook_into(trainer.strategy.core)
         # Atomic writes, and loads of durable checkpoints verified against their manifests.
@@ -413,8 +422,14 @@ class SparseCheckpointing(L.Callback, StepHooks):
             job = JobStore.from_env() if trainer.world_size > 1 else None
             self.preemption = Preemption(job, self.preempt_grace_s)
             self.preemption.install()
-        if not isinstance(pl_module, StepIndexedData):
-            self.data_position.train_starts(trainer)  # a resumed run reads on where it was
+        # The step a resumed run starts at is restored by now; no rank has written yet.
+        self.durable.start(trainer.global_rank, trainer.global_step,
+                           fresh=not is_replacement())
+        positioned = isinstance(pl_module, StepIndexedData)
+        if not positioned:  # a resumed run reads on where it was
+            positioned = self.data_position.train_starts(trainer)
+        if positioned:  # so Lightning's warning that it cannot do so is not true here
+            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
         if self.target is not None:
             return  # attached already (FailureInjector listed first)
         if isinstance(pl_module, MoELanguageModule):

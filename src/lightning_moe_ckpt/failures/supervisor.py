@@ -185,6 +185,9 @@ class Supervisor:
     # After a SIGTERM to the job (a preemption): how long the workers have to commit a
     # durable checkpoint and exit before they are killed.
     preempt_grace_s: float = PREEMPT_GRACE_S
+    # Where the job's durable checkpoints go, for the message its end leaves: "" when it
+    # takes none; None when not known (a script of the user's).
+    durable_dir: str | None = None
     replacements: list[Replacement] = field(default_factory=list)
     pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
     spare_pids: list[int] = field(default_factory=list)  # the warm spares started
@@ -357,9 +360,8 @@ class Supervisor:
                     ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
                     log.error("supervisor: %s failed after %d replacements "
                               "(recovery.max_restarts=%d): no replacement is left, the job "
-                              "stops (exit code %d; started again, it resumes from its "
-                              "newest durable checkpoint)", ranks, len(self.replacements),
-                              self.max_restarts, EXIT_NO_SPARE)
+                              "stops (exit code %d; %s)", ranks, len(self.replacements),
+                              self.max_restarts, EXIT_NO_SPARE, self._restart_note())
                     return EXIT_NO_SPARE
                 if self.launcher_tasks is not None and not self._spares_cover(
                         failed, idle, idle_nodes):
@@ -367,8 +369,8 @@ class Supervisor:
                     ranks = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
                     log.error("supervisor: %s failed and no spare task is left to take over "
                               "(the launcher started the tasks: no new one can start); the "
-                              "job stops (exit code %d; started again, it resumes from its "
-                              "newest durable checkpoint)", ranks, EXIT_NO_SPARE)
+                              "job stops (exit code %d; %s)", ranks, EXIT_NO_SPARE,
+                              self._restart_note())
                     return EXIT_NO_SPARE
                 generation += 1
                 for rank, cause in sorted(failed.items()):
@@ -418,6 +420,17 @@ class Supervisor:
         self._stop(_every_process({}, unused), grace_s=self.timeout_s)
         return self._after_training(after_training)
 
+    def _restart_note(self) -> str:
+        """What the job does when it is started again, for the messages of its end."""
+        if self.durable_dir is None:
+            return ("started again, it resumes from its newest committed durable checkpoint, "
+                    "if its script takes durable checkpoints")
+        if not self.durable_dir:
+            return ("the job takes no durable checkpoints (checkpoint.durable_every is not "
+                    "set): started again, it starts afresh at step 0")
+        return (f"started again, it resumes from its newest committed durable checkpoint in "
+                f"{self.durable_dir}")
+
     def _preemption(self, store: TCPStore, workers: dict[int, WorkerProcess],
                     done: set[int], preempted: set[int], finished: set[int],
                     idle: list[tuple[int, WorkerProcess]],
@@ -454,9 +467,8 @@ class Supervisor:
                       "(killed); the job ends with %d", missing, self.preempt_grace_s,
                       128 + signal.SIGTERM)
             return 128 + int(signal.SIGTERM)
-        log.warning("supervisor: every rank stopped on the preemption; started again, the "
-                    "job resumes from its newest committed durable checkpoint (exit code %d)",
-                    EXIT_PREEMPTED)
+        log.warning("supervisor: every rank stopped on the preemption (exit code %d; %s)",
+                    EXIT_PREEMPTED, self._restart_note())
         return EXIT_PREEMPTED
 
     def _start_all(self, base: dict[str, str], master_port: int,
@@ -496,6 +508,7 @@ class Supervisor:
                 self.spare_nodes, self.timeout_s = layout.spare_nodes, layout.timeout_s
                 self.max_restarts = layout.max_restarts
                 self.preempt_grace_s = layout.preempt_grace_s
+                self.durable_dir = layout.durable_dir
                 self._check_shape()
         except ValueError as error:
             store.set(READY_KEY, json.dumps({"error": f"supervisor: {error}"}))

@@ -78,6 +78,7 @@ class JobLayout:
     timeout_s: float = 60.0
     max_restarts: int = 3
     preempt_grace_s: float = 20.0
+    durable_dir: str | None = None  # "" when the job takes no durable checkpoints
 
     def tasks(self, ranks_per_node: int) -> int:
         """How many tasks the launcher must start for it."""

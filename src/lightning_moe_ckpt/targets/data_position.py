@@ -49,15 +49,17 @@ class DataPosition:
         self._pending: dict[str, Any] | None = None  # loaded with a checkpoint
         self._warned = False
 
-    def train_starts(self, trainer: L.Trainer) -> None:
+    def train_starts(self, trainer: L.Trainer) -> bool:
         """``on_train_start``: watch the loader's sampler, so that each epoch's order is
-        known when it is drawn and a resumed epoch's is drawn as it was."""
+        known when it is drawn and a resumed epoch's is drawn as it was; whether the loader
+        is positioned so."""
         sampler, self._batch_size = self._positionable(trainer, warn=False)
         if sampler is None:
             self._pending = None
-            return
+            return False
         self._trainer = trainer
         _watch(sampler, self)
+        return True
 
     def iteration_begins(self, sampler: Sampler[Any]) -> int:
         """A watched sampler is about to draw an epoch's order: how many indices to skip.
