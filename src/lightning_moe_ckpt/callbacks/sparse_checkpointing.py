@@ -95,9 +95,9 @@ from lightning_moe_ckpt.training.lightning_module import MoELanguageModule
 
 log = logging.getLogger("lightning_moe_ckpt")
 
-_ONE = torch.ones(())
+_ONE = torch.ones(())  # the clip coefficient of a loop that does not clip
 # Lightning's warning when a run resumes mid-epoch with a loader it cannot position.
-_NOT_RESUMABLE = r"You're resuming from a checkpoint that ended before the epoch ended"  # the clip coefficient of a loop that does not clip
+_NOT_RESUMABLE = r"You're resuming from a checkpoint that ended before the epoch ended"
 
 
 def _ranks_per_node(fabric: Any) -> int:
