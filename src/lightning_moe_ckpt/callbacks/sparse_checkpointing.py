@@ -367,6 +367,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
             figures["batch_log_bytes_peak"] = target.batch_log.peak_bytes
         figures["durable_checkpoints"] = self.durable.committed()
         figures["durable_failures"] = list(self.durable.failures)
+        figures["durable_waits_s"] = list(self.durable.waits_s)
         figures["upstream_log_bytes_peak"] = self._upstream_log_peak
         return figures
 
