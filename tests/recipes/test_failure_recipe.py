@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_moe_ckpt.failures.supervisor import EXIT_UNRECOVERABLE
 from tests.recipes.test_train_recipe import assert_states_equal, run_recipe
 
 pytestmark = pytest.mark.slow
@@ -87,9 +88,10 @@ def test_failure_of_every_rank_falls_back_to_the_durable_checkpoint(tmp_path: Pa
     assert_states_equal(tmp_path / "golden" / "final_state.pt",
                         tmp_path / "durable" / "final_state.pt")
     stopped = run_recipe(tmp_path / "stopped", *common, *everyone)
-    assert stopped.returncode != 0
-    assert "NoUsableCheckpointError" in stopped.stderr
+    assert stopped.returncode == EXIT_UNRECOVERABLE  # one line, no traceback
+    assert "Traceback" not in stopped.stderr
     assert "no surviving rank holds a persisted checkpoint" in stopped.stderr
+    assert "no committed durable checkpoint to fall back to" in stopped.stderr
     assert "checkpoint.durable_every" in stopped.stderr
 
 
