@@ -33,7 +33,12 @@ from lightning_moe_ckpt.callbacks.durable_checkpoints import checkpoint_layout
 from lightning_moe_ckpt.core.files import save_atomically
 from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE, launcher_ranks_per_node
 from lightning_moe_ckpt.core.target import IterationAborted
-from lightning_moe_ckpt.errors import CorruptCheckpointError, NoUsableCheckpointError, require
+from lightning_moe_ckpt.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    NoUsableCheckpointError,
+    require,
+)
 from lightning_moe_ckpt.failures.rendezvous import (
     await_assignment,
     exit_on_error,
@@ -43,6 +48,7 @@ from lightning_moe_ckpt.failures.rendezvous import (
 )
 from lightning_moe_ckpt.failures.supervisor import (
     ENV_SPARE,
+    EXIT_CONFIG,
     EXIT_PREEMPTED,
     EXIT_UNRECOVERABLE,
     is_replacement,
@@ -50,7 +56,7 @@ from lightning_moe_ckpt.failures.supervisor import (
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
 from lightning_moe_ckpt.recovery import newest_committed_durable
 from lightning_moe_ckpt.recovery.durable import check_layout
-from lightning_moe_ckpt.recovery.manifest import read_manifest
+from lightning_moe_ckpt.recovery.manifest import manifest_path, read_manifest
 from lightning_moe_ckpt.strategies import FabricMoEParallelStrategy, TrainerMoEParallelStrategy
 from lightning_moe_ckpt.testing import FailureInjector
 from lightning_moe_ckpt.testing.faults import schedule_from_config
@@ -380,7 +386,13 @@ def _resume_settings(settings: RunSettings) -> RunSettings:
         ConfigError: The newest was written by another layout.
     """
     checkpoint = settings.checkpoint
-    if settings.ckpt_path is not None or is_replacement() or ENV_SPARE in os.environ:
+    if is_replacement() or ENV_SPARE in os.environ:
+        return settings
+    if settings.ckpt_path is not None:  # a durable checkpoint of another layout: refused now
+        manifest = manifest_path_of(settings.ckpt_path)
+        if manifest is not None and manifest.exists():
+            check_layout(settings.ckpt_path, read_manifest(settings.ckpt_path),
+                         _checkpoint_layout(settings))
         return settings
     first = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
     if checkpoint.durable_every is None or checkpoint.durable_dir is None:
@@ -396,6 +408,14 @@ def _resume_settings(settings: RunSettings) -> RunSettings:
         log.warning("resuming from the newest committed durable checkpoint %s (started again "
                     "with checkpoint.durable_every set and no ckpt_path)", newest)
     return replace(settings, ckpt_path=newest)
+
+
+def manifest_path_of(ckpt_path: str) -> Path | None:
+    """The manifest that would commit ``ckpt_path`` (None: not a durable checkpoint name)."""
+    try:
+        return manifest_path(ckpt_path)
+    except ValueError:
+        return None
 
 
 def _checkpoint_layout(settings: RunSettings) -> dict[str, Any]:
@@ -422,10 +442,11 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
             join_as_launcher_task(job_layout(settings))
     try:
         settings = _resume_settings(settings)
-    except NoUsableCheckpointError as error:  # one line, and never a silent step 0
+    except (NoUsableCheckpointError, ConfigError) as error:  # one line; never a silent step 0
         log.error("%s", error)
         logging.shutdown()
-        raise SystemExit(EXIT_UNRECOVERABLE) from None
+        raise SystemExit(EXIT_UNRECOVERABLE if isinstance(error, NoUsableCheckpointError)
+                         else EXIT_CONFIG) from None
     if settings.ranks_per_node is not None:  # every rank's node, for replica placement
         os.environ.setdefault(ENV_RANKS_PER_NODE, str(settings.ranks_per_node))
     if needs_supervisor(settings):

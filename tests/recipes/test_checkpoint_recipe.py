@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_moe_ckpt.failures.supervisor import EXIT_CONFIG
 from lightning_moe_ckpt.recovery.manifest import verify
 from lightning_moe_ckpt.replication.replicator import decode_snapshot
 from lightning_moe_ckpt.snapshots.checksum import default_threads
@@ -97,6 +98,12 @@ def test_durable_checkpoint_resumes_bitwise_with_plain_ckpt_path(
     losses_full = json.loads((tmp_path / "full" / "metrics.json").read_text())["loss"]
     losses_resumed = json.loads((tmp_path / "resumed" / "metrics.json").read_text())["loss"]
     assert losses_resumed == losses_full[7:]
+    if layout:  # one process cannot resume a pp2 x ep2 checkpoint: one line, before training
+        other = run_recipe(tmp_path / "other", *common[:3], f"ckpt_path='{saved[0]}'")
+        assert other.returncode == EXIT_CONFIG, other.stderr[-2000:]
+        assert ("was written by the layout pp=2 x dp=1 x ep=2 (4 ranks); this run's is 1 "
+                "rank(s)") in other.stderr
+        assert "Traceback" not in other.stderr
 
 
 def test_durable_retention_keeps_only_the_newest_committed_checkpoints(tmp_path: Path) -> None:
