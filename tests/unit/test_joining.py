@@ -134,3 +134,20 @@ def test_a_recovery_timeout_other_than_the_supervisors_is_refused(
     job = JobStore.from_env(30.0)
     assert job is not None and job.collective_timeout == timedelta(seconds=10)
     assert os.environ[ENV_STORE] == job.address
+
+
+@pytest.mark.parametrize("seconds", [20.0, 100.0, 200.0, 7.0])
+def test_a_recovery_timeout_whose_third_is_not_whole_microseconds_is_accepted(
+        monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """20 s is the supervisor's 20 s, though a third of it rounds in a timedelta."""
+    from lightning_moe_ckpt.failures import rendezvous
+
+    monkeypatch.setattr(rendezvous, "_THIS_PROCESS", {})
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=10))
+    store.set(TIMEOUT_KEY, repr(seconds))
+    monkeypatch.setenv(ENV_STORE, f"127.0.0.1:{store.port}")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    job = JobStore.from_env(seconds)
+    assert job is not None and job.hang_timeout_s == seconds

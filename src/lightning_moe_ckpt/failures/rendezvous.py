@@ -217,6 +217,7 @@ class JobStore:
     replaces: int | None  # the generation a replacement joins (None: an original worker)
     timeout: timedelta  # store operations and the rendezvous of a new generation
     collective_timeout: timedelta  # a collective stuck on a dead peer errors after this
+    hang_timeout_s: float = 60.0  # the supervisor's (--timeout-s), exactly as it gave it
     _arrived_at: set[int] = field(default_factory=set)  # generations this process joined
     _iterations: int = 0  # iterations begun (bumped by the training thread)
     _newest_seen: int = 0  # the newest generation the heartbeat thread saw
@@ -255,9 +256,10 @@ class JobStore:
             job = cls(store, address, int(os.environ["RANK"]),
                       int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")),
                       None if replaces is None else int(replaces), timeout,
-                      timedelta(seconds=supervisor_s / 3))
+                      timedelta(seconds=supervisor_s / 3), supervisor_s)
             _THIS_PROCESS[address] = job
-        supervisor_s = 3 * job.collective_timeout.total_seconds()
+        # Compared as given: a third of it in a timedelta is rounded to microseconds.
+        supervisor_s = job.hang_timeout_s
         if timeout_s is not None and abs(supervisor_s - float(timeout_s)) > 1e-6:
             raise ConfigError(
                 f"recovery_timeout_s={timeout_s} (recovery.timeout_s) differs from the "
