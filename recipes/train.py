@@ -17,10 +17,15 @@ import gc
 gc.disable()
 
 import json
+import os
+import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
+from lightning_moe_ckpt.errors import ConfigError
+from moe_recipes.command_line import EXIT_USAGE, check_command_line
 from moe_recipes.runner import run_training
 
 gc.freeze()
@@ -30,7 +35,13 @@ gc.enable()
 @hydra.main(config_path="../conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     """Hydra entry point."""
-    metrics = run_training(cfg)
+    try:
+        metrics = run_training(cfg)
+    except ConfigError as error:  # found once the run was set up: one line too
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USAGE) from None
     if not metrics:  # ranks other than 0 write nothing
         return
     losses = metrics["loss"]
@@ -45,5 +56,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line(Path(__file__).resolve().parent.parent / "conf")  # error: ..., exit 2
     main()
     gc.freeze()  # the work is written: exit without traversing what training built

@@ -443,6 +443,8 @@ def run_training(cfg: DictConfig) -> dict[str, Any]:
     try:
         settings = _resume_settings(settings)
     except (NoUsableCheckpointError, ConfigError) as error:  # one line; never a silent step 0
+        if isinstance(error, ConfigError) and not supervised():
+            raise  # the command line's ckpt_path: ``error: ...``, exit 2 (recipes/train.py)
         log.error("%s", error)
         logging.shutdown()
         raise SystemExit(EXIT_UNRECOVERABLE if isinstance(error, NoUsableCheckpointError)

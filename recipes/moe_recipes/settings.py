@@ -79,6 +79,7 @@ class CheckpointSettings:
 
 
 def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
+    from lightning_moe_ckpt.callbacks.durable_checkpoints import check_durable_settings
     from lightning_moe_ckpt.policies.registry import setting_options
     from moe_recipes.comparisons import COMPARISON_OPTIONS, COMPARISON_POLICIES
 
@@ -92,6 +93,7 @@ def _checkpoint_settings(values: dict[str, Any]) -> CheckpointSettings:
     durable_every = values.pop("durable_every", None)
     durable_dir = values.pop("durable_dir", None)
     durable_keep = values.pop("durable_keep", 2)
+    check_durable_settings(durable_every, durable_dir, durable_keep)
     upstream_logging = values.pop("upstream_logging", True)
     same_node_replicas = values.pop("same_node_replicas", "shared")
     checksum_threads = values.pop("checksum_threads", None)
@@ -372,7 +374,7 @@ def _check_policy_options(checkpoint: CheckpointSettings, model: MoEModelConfig)
     bad ``checkpoint.<option>`` value fails here, before any process starts, and not in
     every rank once training is set up."""
     from lightning_moe_ckpt.planning.schedule import OperatorSpec
-    from lightning_moe_ckpt.policies.registry import make_planner, planner_options
+    from lightning_moe_ckpt.policies.registry import check_options, planner_options
     from moe_recipes.comparisons import COMPARISON_POLICIES, check_comparison_options
 
     if checkpoint.policy in COMPARISON_POLICIES:
@@ -385,5 +387,5 @@ def _check_policy_options(checkpoint: CheckpointSettings, model: MoEModelConfig)
         for layer in range(model.n_layers) for expert in range(model.n_experts))]
     shape = {"n_layers": model.n_layers, "n_experts": model.n_experts, "top_k": model.top_k}
     accepted = planner_options(checkpoint.policy)
-    make_planner(checkpoint.policy, specs, **checkpoint.options,
-                 **{key: value for key, value in shape.items() if key in accepted})
+    check_options(checkpoint.policy, specs, **checkpoint.options,
+                   **{key: value for key, value in shape.items() if key in accepted})

@@ -27,11 +27,14 @@ from tests.distributed.workloads import distributed_run
 
 def injected_run(settings: RunSettings, window: int, events: list[dict[str, Any]],
                  upstream_logging: bool = True,
-                 corrupt_local: tuple[int, int] | None = None) -> dict[str, Any]:
+                 corrupt_local: tuple[int, int] | None = None,
+                 damage_replicas: tuple[int, int] | None = None) -> dict[str, Any]:
     """Train ``settings.max_steps`` with the failures ``events`` injected; returns the
     consolidated state (rank 0), the losses and, gathered, every rank's facts.
     ``corrupt_local=(rank, step)``: before ``step``, that rank flips a bit in its own
-    host copy of every snapshot already replicated (the replicas stay intact)."""
+    host copy of every snapshot already replicated (the replicas stay intact).
+    ``damage_replicas=(rank, step)``: before ``step``, that rank flips a byte in the header
+    of every replica it holds for its peers."""
     plan = settings.layout
     mesh = build_mesh(plan, "cpu")
     coords = mesh_coordinates(mesh)
@@ -59,6 +62,8 @@ def injected_run(settings: RunSettings, window: int, events: list[dict[str, Any]
     for t in range(settings.max_steps):
         if corrupt_local == (rank, t):
             corrupted = _corrupt_replicated_snapshots(coordinator)
+        if damage_replicas == (rank, t):
+            corrupted = _damage_replica_headers(coordinator)
         losses.append(float(engine.train_iteration(*sampler.iteration(t, shard)).loss))
     checkpointing.close()
     state = gather_consolidated_state(engine, coords, settings.max_steps)
@@ -86,6 +91,21 @@ def _corrupt_replicated_snapshots(coordinator: Any) -> int:
     return corrupted
 
 
+def _damage_replica_headers(coordinator: Any) -> int:
+    """Flip a byte in the header of every replica this rank holds (copies, so a mapped
+    source's own memory stays intact); returns how many were damaged."""
+    coordinator.replicator.drain()
+    damaged = 0
+    for windows in list(coordinator.replicator.replicas.windows.values()):
+        for held in list(windows.values()):
+            for step, data in list(held.items()):
+                copy = data.clone()
+                copy[-20] ^= 0x10  # inside the header, before its checksum and length
+                held[step] = copy
+                damaged += 1
+    return damaged
+
+
 def state_mismatches(golden: dict[str, Any], state: dict[str, Any]) -> list[str]:
     """Entries of a consolidated state that are not bitwise equal to the golden one."""
     problems = [] if state["step"] == golden["step"] else ["step"]
@@ -110,7 +130,7 @@ def scenario_matrix(settings: RunSettings, window: int,
     for name, scenario in scenarios.items():
         run = injected_run(settings, window, scenario["events"],
                            scenario.get("upstream_logging", True),
-                           scenario.get("corrupt_local"))
+                           scenario.get("corrupt_local"), scenario.get("damage_replicas"))
         first = min(event["step"] for event in scenario["events"])
         results[name] = {
             "ranks": run["ranks"],

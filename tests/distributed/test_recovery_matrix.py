@@ -90,19 +90,26 @@ def test_a_survivor_copy_corrupted_in_host_memory_is_fetched_from_a_replica() ->
     """Global rollback on pp=2 x dp=2: before step 10, rank 2 flips a bit in its own host
     copy of every snapshot its peers confirmed; rank 0 then fails. Rank 2's window fails
     verification and comes from its other replica peer (rank 3), and the recovery is
-    bitwise (restoring the flipped bit would not be)."""
+    bitwise (restoring the flipped bit would not be). The same when the first replica
+    peer's copies have a flipped header byte."""
     settings = make_settings(2, 2, 1, steps=STEPS)
     scenario = {"events": [{"step": 10, "rank": 0}], "window_start": 6,
                 "upstream_logging": False, "corrupt_local": (2, 10)}
-    results = run_distributed(4, scenario_matrix, settings, WINDOW, {"corrupt": scenario})
-    result = results["corrupt"]
-    assert result["ranks"][2]["corrupted"] >= WINDOW  # the corruption fired
-    for rank, facts in enumerate(result["ranks"]):
-        (recovery,) = facts["recoveries"]
-        assert recovery["window_start"] == 6, rank
-        assert recovery["ranks_rolled_back"] == [0, 1, 2, 3], rank
-    assert result["state_mismatches"] == []
-    assert result["losses_after"] == result["golden_after"]
+    # Rank 1, rank 0's first replica peer, flips a header byte of every replica it holds:
+    # rank 0's window comes from rank 2 instead.
+    headers = {"events": [{"step": 10, "rank": 0}], "window_start": 6,
+               "upstream_logging": False, "damage_replicas": (1, 10)}
+    results = run_distributed(4, scenario_matrix, settings, WINDOW,
+                              {"corrupt": scenario, "headers": headers})
+    assert results["corrupt"]["ranks"][2]["corrupted"] >= WINDOW  # the corruption fired
+    assert results["headers"]["ranks"][1]["corrupted"] >= WINDOW  # the damage was done
+    for result in results.values():
+        for rank, facts in enumerate(result["ranks"]):
+            (recovery,) = facts["recoveries"]
+            assert recovery["window_start"] == 6, rank
+            assert recovery["ranks_rolled_back"] == [0, 1, 2, 3], rank
+        assert result["state_mismatches"] == []
+        assert result["losses_after"] == result["golden_after"]
 
 
 def test_no_usable_window_stops_naming_what_is_missing() -> None:

@@ -98,6 +98,11 @@ def test_persisted_window_equals_its_replicas_and_memory_is_bounded(
         for steps_pieces in report["fetched"].values():
             assert sorted(steps_pieces) == list(range(report["common_start"],
                                                       report["common_start"] + window))
+        # A flipped header byte, a crafted frame whose checksums are valid, a length of
+        # 2**40 announced: each refused, the next replica peer used.
+        window_steps = list(range(report["common_start"], report["common_start"] + window))
+        for how, outcome in report["damaged"].items():
+            assert outcome == {"steps": window_steps, "holder": report["second"]}, how
         # One corrupt copy: the fetch falls through to the next replica peer.
         assert report["fetched_despite_corrupt"] == list(range(report["common_start"],
                                                                report["common_start"] + window))

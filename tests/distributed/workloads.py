@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -366,6 +367,45 @@ def _corrupt_one_piece(replicas: Any, source: int, window_start: int) -> None:
     held[step] = encode_payload(payload)  # re-framed: only the tensor checksum can tell
 
 
+def _damage_first_snapshot(replicas: Any, source: int, window_start: int,
+                           how: str) -> Callable[[], None]:
+    """Damage the first held snapshot of ``source``'s window: a flipped ``header`` byte, a
+    ``crafted`` frame (every checksum valid around a piece layout with a negative shape),
+    or a ``huge`` one (announced at 2**40 bytes, never allocated); returns how to undo it."""
+    import struct
+
+    from lightning_moe_ckpt.core.wire import dumps
+    from lightning_moe_ckpt.snapshots.checksum import bytes_checksum
+    from lightning_moe_ckpt.snapshots.codec import MAGIC
+
+    held = replicas.windows[source][window_start]
+    step = min(held)
+    original = held[step]
+    if how == "header":
+        damaged = original.clone()
+        damaged[-20] ^= 0x10  # inside the header, before its checksum and length
+    elif how == "crafted":
+        layout = dumps([("w", "float32", (-1,))])
+        blob = struct.pack("<I", len(layout)) + layout + struct.pack("<I", 0)
+        header = dumps({"step": step, "rank": source, "window_start": window_start,
+                        "window": 1, "metadata": None,
+                        "pieces": {"w": {"kind": "master", "checksum": 0,
+                                         "frame_checksum": bytes_checksum(blob),
+                                         "offset": len(MAGIC), "length": len(blob)}}})
+        frame = (MAGIC + blob + header
+                 + struct.pack("<IQ", bytes_checksum(header), len(header)))
+        damaged = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    else:
+        assert how == "huge", how
+        damaged = torch.empty(2**40, dtype=torch.uint8, device="meta")
+    held[step] = damaged
+
+    def restore() -> None:
+        held[step] = original
+
+    return restore
+
+
 def replication_check(settings: RunSettings, steps: int, window: int,
                       ranks_per_node: int = 1) -> dict[str, Any]:
     """Train with snapshots replicated to 2 peers; compare every rank's persisted window
@@ -415,6 +455,14 @@ def replication_check(settings: RunSettings, steps: int, window: int,
                        "exchanges": replicator.exchanges,
                        "slots": 0 if replicator.slots is None else replicator.slots.allocations,
                        "snapshots": coordinator.measured.snapshots_taken}
+    damaged = {}  # by damage: the steps fetched despite it, and from which holder
+    for how in ("header", "crafted", "huge"):
+        restore = (_damage_first_snapshot(replicator.replicas, 0, common_start, how)
+                   if dist.get_rank() == first else None)
+        damaged[how] = {"steps": sorted(replicator.fetch_window(0, common_start)),
+                        "holder": replicator.last_holder}
+        if restore is not None:
+            restore()
     if dist.get_rank() == first:
         _corrupt_one_piece(replicator.replicas, 0, common_start)
     fetched_despite_corrupt = sorted(replicator.fetch_window(0, common_start))
@@ -439,6 +487,7 @@ def replication_check(settings: RunSettings, steps: int, window: int,
                                         "corrupt_error": corrupt_error,
                                         "fetched_without_holder": fetched_without_holder,
                                         "fetched_despite_corrupt": fetched_despite_corrupt,
+                                        "damaged": damaged, "first": first, "second": second,
                                         "start": persisted.start,
                                         "windows_held": windows_held,
                                         **replica_figures,

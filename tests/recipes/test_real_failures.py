@@ -213,6 +213,25 @@ def test_a_kill_during_a_recovery_widens_it_and_ends_bitwise(
     _assert_paused_ran_nothing(recovery, world=4)
 
 
+def test_a_recovery_that_hangs_is_ended_within_its_deadline_and_ends_bitwise(
+        tmp_path: Path, golden_pp2_ep2: Path) -> None:
+    """Rank 3 is killed at step 13; rank 2, a survivor, hangs in the recovery from it (a
+    fetch that never returns, say). Its recovery makes no progress, so its heartbeat
+    stops after the hang timeout and the supervisor ends it as hung one timeout later,
+    while the others wait for the generation that brings its replacement. Under
+    ``recovery.timeout_s=20``, a value whose third is no whole number of microseconds."""
+    args = [a for a in PP2_EP2 if not a.startswith("recovery.timeout_s=")]
+    result = run_recipe(tmp_path, *args, "recovery.timeout_s=20", "faults=at",
+                        "faults.kind=kill", "faults.events=[{step: 13, rank: 3}, "
+                        "{step: 13, rank: 2, phase: recovery, kind: hang}]")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "rank 2 (pid" in result.stderr and "the recovery made no progress" in result.stderr
+    metrics = _replaced_ranks(tmp_path, {2: "hang", 3: "exit -9"}, world=4)
+    _assert_bitwise(golden_pp2_ep2, tmp_path, metrics)
+    (recovery,) = metrics["real_recoveries"]
+    assert recovery["failed_ranks"] == [2, 3] and recovery["attempts"] == 2
+
+
 def test_a_kill_between_the_optimizer_step_and_its_snapshot_recovers_bitwise(
         tmp_path: Path, golden_pp2: Path) -> None:
     """Rank 1 (last stage) is SIGKILLed right after optimizer step 6, before it takes

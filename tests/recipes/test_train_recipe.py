@@ -26,14 +26,15 @@ pytestmark = pytest.mark.slow
 TRAIN = REPO / "recipes" / "train.py"
 
 
-def run_recipe(out_dir: Path, *overrides: str, launch: str = "forked"
-               ) -> subprocess.CompletedProcess[str]:
+def run_recipe(out_dir: Path, *overrides: str, launch: str = "forked",
+               full_error: bool = True) -> subprocess.CompletedProcess[str]:
     """Run the training recipe as a user would. ``launch="python"``: ``python
     recipes/train.py`` in a fresh interpreter, whose Lightning launcher starts the other
     ranks. ``"forked"``: every rank started at once as ``torchrun`` starts them, each forked
     with its imports done (:mod:`tests.forked`); a supervised job's one process starts its
-    workers itself."""
-    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    workers itself. ``full_error``: a bad setting's traceback (``HYDRA_FULL_ERROR=1``)
+    instead of the one line a user sees."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1" if full_error else "0"}
     args = [f"out_dir={out_dir}", "trainer.progress_bar=false", *overrides]
     if launch == "python":
         return run_bounded([sys.executable, str(TRAIN), *args], env=env)

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_moe_ckpt.core.wire import WireFormatError, dumps, loads
-from lightning_moe_ckpt.snapshots.checksum import tensor_checksum
+from lightning_moe_ckpt.snapshots.checksum import bytes_checksum, tensor_checksum
 from lightning_moe_ckpt.snapshots.codec import (
     MAGIC,
     CorruptCheckpointError,
@@ -82,7 +82,7 @@ def test_the_current_format_round_trips_without_pickle() -> None:
 
 
 def _framed(magic: bytes, header: bytes) -> torch.Tensor:
-    data = magic + header + struct.pack("<Q", len(header))
+    data = magic + header + struct.pack("<IQ", bytes_checksum(header), len(header))
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -136,3 +136,89 @@ def test_truncated_bytes_fail_to_decode_cleanly(value: object, cut: int) -> None
     encoded = dumps(value)
     with pytest.raises(WireFormatError):
         loads(encoded[:max(0, len(encoded) - cut)])
+
+
+def test_every_flipped_header_or_trailer_byte_is_refused_as_corrupt() -> None:
+    """The header (step, rank, window, lr, clip coefficient, byte ranges) is covered by its
+    checksum: no flipped byte decodes to other values."""
+    encoded = encode_snapshot(_snapshot())
+    length = struct.unpack("<Q", bytes(encoded[-8:].numpy()))[0]
+    start = encoded.numel() - 12 - length
+    for index in range(start, encoded.numel()):
+        damaged = encoded.clone()
+        damaged[index] ^= 0x10
+        for decode in (decode_snapshot, snapshot_header):
+            with pytest.raises(CorruptCheckpointError):
+                decode(damaged)
+
+
+def _crafted(layout: bytes | None = None, header: dict[str, object] | None = None,
+             blob: bytes | None = None) -> torch.Tensor:
+    """A frame whose every checksum is valid around a crafted piece ``layout`` (wire bytes)
+    or a crafted ``header`` (a value, encoded here)."""
+    if blob is None:
+        layout = dumps([("w", "float32", (2,))]) if layout is None else layout
+        blob = struct.pack("<I", len(layout)) + layout + struct.pack("<I", 0) + bytes(8)
+    entry = {"kind": "master", "checksum": 0, "frame_checksum": bytes_checksum(blob),
+             "offset": len(MAGIC), "length": len(blob)}
+    fields = {"step": 5, "rank": 1, "window_start": 4, "window": 2, "metadata": None,
+              "pieces": {"head": entry}}
+    encoded = dumps(fields if header is None else header)
+    data = MAGIC + blob + encoded + struct.pack("<IQ", bytes_checksum(encoded), len(encoded))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _nested(depth: int) -> bytes:
+    """Wire bytes of lists nested ``depth`` deep (built without recursion)."""
+    return (b"l" + struct.pack("<Q", 1)) * depth + b"N"
+
+
+CRAFTED = {
+    "negative shape": dumps([("w", "float32", (-1,))]),
+    "entry of two": dumps([("w", "float32")]),
+    "layout a string": dumps("www"),
+    "shape of strings": dumps([("w", "float32", ("a",))]),
+    "unhashable name": dumps([(["w"], "float32", (2,))]),
+    "huge shape, no bytes": dumps([("w", "float32", (0, 2**63))]),
+    "shape past the blob": dumps([("w", "float32", (2**40,))]),
+    "nested 100000 deep": _nested(100_000),
+    "a count of 2**60 items": b"l" + struct.pack("<Q", 2**60),
+}
+
+
+@pytest.mark.parametrize("layout", CRAFTED.values(), ids=CRAFTED.keys())
+def test_a_crafted_checksum_valid_piece_is_refused_as_corrupt(layout: bytes) -> None:
+    with pytest.raises(CorruptCheckpointError, match=r"operator 'head', iteration 5 does not "
+                                                     "decode"):
+        decode_snapshot(_crafted(layout))
+
+
+HEADERS = {
+    "offset a string": {"step": 5, "rank": 1, "window_start": 4, "window": 2,
+                        "pieces": {"head": {"kind": "master", "checksum": 0,
+                                            "frame_checksum": 0, "offset": "8",
+                                            "length": 16}}},
+    "range past the pieces": {"step": 5, "rank": 1, "window_start": 4, "window": 2,
+                              "pieces": {"head": {"kind": "master", "checksum": 0,
+                                                  "frame_checksum": 0, "offset": 8,
+                                                  "length": 2**40}}},
+    "no step": {"rank": 1, "window_start": 4, "window": 2, "pieces": {}},
+    "pieces a list": {"step": 5, "rank": 1, "window_start": 4, "window": 2, "pieces": []},
+    "a list": [1, 2],
+}
+
+
+@pytest.mark.parametrize("header", HEADERS.values(), ids=HEADERS.keys())
+def test_a_crafted_checksum_valid_header_is_refused_as_corrupt(header: object) -> None:
+    for decode in (decode_snapshot, snapshot_header,
+                   lambda data: split_pieces(data, [])):
+        with pytest.raises(CorruptCheckpointError, match="is not a snapshot header"):
+            decode(_crafted(header=header))  # type: ignore[arg-type]
+
+
+def test_a_zero_element_tensor_round_trips() -> None:
+    tensors = {"w": torch.empty(0, 3), "b": torch.ones(2)}
+    snapshot = _snapshot()
+    snapshot.pieces["head"] = SnapshotPiece("head", "master", tensors, tensor_checksum(tensors))
+    decoded = decode_snapshot(encode_snapshot(snapshot))["pieces"]["head"]["tensors"]
+    assert decoded["w"].shape == (0, 3) and torch.equal(decoded["b"], torch.ones(2))

@@ -70,7 +70,8 @@ from lightning_moe_ckpt.snapshots.helper_threads import DEFAULT_HELPER_NICE, Hel
 from lightning_moe_ckpt.strategies.fabric import MoEParallelStrategy as FabricMoEParallel
 from lightning_moe_ckpt.strategies.trainer import MoEParallelStrategy
 
-__all__ = ["DurableCheckpoints", "checkpoint_layout", "install_committed_io", "verify_resumed"]
+__all__ = ["DurableCheckpoints", "check_durable_settings", "checkpoint_layout",
+           "install_committed_io", "verify_resumed"]
 
 log = logging.getLogger("lightning_moe_ckpt")
 
@@ -131,6 +132,28 @@ def verify_resumed(ckpt_path: str | Path, layout: Mapping[str, Any]) -> None:
         raise CorruptCheckpointError(f"ckpt_path={str(ckpt_path)!r}: {problem}")
 
 
+def check_durable_settings(every: int | None, directory: str | None, keep: int) -> None:
+    """Refuse bad durable-tier settings, naming the setting and its value.
+
+    Args:
+        every: ``checkpoint.durable_every``: steps between durable checkpoints (None: none).
+        directory: ``checkpoint.durable_dir``: where they are written.
+        keep: ``checkpoint.durable_keep``: the newest committed ones kept.
+
+    Raises:
+        ConfigError: A setting out of range, or a cadence without a directory.
+    """
+    require(every is None or (isinstance(every, int) and not isinstance(every, bool)
+                              and every >= 1),
+            f"{fmt('checkpoint.durable_every', every)} must be an integer >= 1 (steps "
+            "between durable checkpoints; or null: no durable checkpoints)")
+    require(every is None or directory is not None,
+            f"checkpoint.durable_every={every} needs checkpoint.durable_dir")
+    require(isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1,
+            f"{fmt('checkpoint.durable_keep', keep)} must be an integer >= 1 (an older "
+            "checkpoint is removed only once a newer one is committed)")
+
+
 class DurableCheckpoints:
     """When durable checkpoints are taken, their background writer, and their commits.
 
@@ -151,15 +174,7 @@ class DurableCheckpoints:
     def __init__(self, every: int | None, directory: str | None, keep: int,
                  wait_timeout_s: float = WAIT_TIMEOUT_S,
                  helper_nice: int = DEFAULT_HELPER_NICE) -> None:
-        require(every is None or (isinstance(every, int) and not isinstance(every, bool)
-                                  and every >= 1),
-                f"{fmt('checkpoint.durable_every', every)} must be an integer >= 1 (steps "
-                "between durable checkpoints; or null: no durable checkpoints)")
-        require(every is None or directory is not None,
-                f"checkpoint.durable_every={every} needs checkpoint.durable_dir")
-        require(isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1,
-                f"{fmt('checkpoint.durable_keep', keep)} must be an integer >= 1 (an older "
-                "checkpoint is removed only once a newer one is committed)")
+        check_durable_settings(every, directory, keep)
         self.every = every
         self.directory = directory
         self.keep = keep

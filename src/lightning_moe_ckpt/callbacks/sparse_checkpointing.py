@@ -73,7 +73,12 @@ from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
 from lightning_moe_ckpt.planning.agreement import LargestAcrossRanks
 from lightning_moe_ckpt.planning.planner import CapturePlan
 from lightning_moe_ckpt.planning.schedule import specs_from_registry
-from lightning_moe_ckpt.policies.registry import make_planner, planner_options, setting_options
+from lightning_moe_ckpt.policies.registry import (
+    check_options,
+    make_planner,
+    planner_options,
+    setting_options,
+)
 from lightning_moe_ckpt.recovery.durable import RNG_KEY
 from lightning_moe_ckpt.recovery.manifest import checkpoint_path
 from lightning_moe_ckpt.recovery.upstream_log import UpstreamLog
@@ -180,6 +185,7 @@ class SparseCheckpointing(L.Callback, StepHooks):
         require(not unknown, f"unknown option(s) {', '.join('checkpoint.' + k for k in unknown)}"
                              f" for checkpoint={policy}; it accepts "
                              f"{', '.join(sorted(known)) or 'no options'}")
+        check_options(policy, **options)  # a bad value refused here, not at fit
         for key, value, least in (("replicas", replicas, 0),
                                   ("warmup_iterations", warmup_iterations, 1)):
             require(isinstance(value, int) and not isinstance(value, bool) and value >= least,

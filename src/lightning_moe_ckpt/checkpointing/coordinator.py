@@ -107,7 +107,8 @@ class CheckpointCoordinator(StepHooks):
                             and layout.world_size == world_size else None)
         self.replicator = (Replicator(effective, ranks_per_node, acknowledge,
                                       RetainingReplicaStore() if partial else None,
-                                      share_same_node, helper_nice, self.shard_group)
+                                      share_same_node, helper_nice, self.shard_group,
+                                      largest_snapshot(target))
                            if effective > 0 and self.disk is None else None)
         self.replica_store = None if self.replicator is None else self.replicator.replicas
         # Every window fetched from a replica peer in a recovery: {rank, window_start,
@@ -368,7 +369,8 @@ class CheckpointCoordinator(StepHooks):
         self._slot_bytes_before = max(self._slot_bytes_before, old.slot_bytes_peak())
         self._replication_cpu_s_before += old.thread_cpu_s
         self.replicator = Replicator(*self._replication_args, old.replicas,
-                                     self.share_same_node, self.helper_nice, self.shard_group)
+                                     self.share_same_node, self.helper_nice, self.shard_group,
+                                     largest_snapshot(self.target))
         self.replica_peers_mapping = sorted(self.replicator.mapping_peers)
         self.replicator.before_payload = old.before_payload
 
@@ -456,3 +458,19 @@ class CheckpointCoordinator(StepHooks):
             "pieces_checksummed": self.capture.pieces_checksummed,
             "persisted_files": [] if self.disk is None else self.disk.written[-2:],
         }
+
+
+# An encoded snapshot is at most this many times a rank's whole state (compute weights,
+# master weights, optimizer state, buffers), plus this many bytes of framing and metadata.
+_LARGEST_FACTOR = 4
+_LARGEST_SLACK = 64 << 20
+
+
+def largest_snapshot(target: TrainingTarget) -> int:
+    """A bound on this rank's encoded snapshots in bytes: its whole state, as measured
+    from the live optimizer or as AdamW would hold it (the larger), with room to spare.
+    A replica peer refuses an announced length beyond it before allocating."""
+    nominal = sum(op.nbytes.compute + op.nbytes.master_state for op in target.registry)
+    measured = sum(spec.compute_bytes + spec.master_state_bytes
+                   for spec in specs_from_registry(target.registry, target.state))
+    return _LARGEST_FACTOR * max(nominal, measured) + _LARGEST_SLACK

@@ -26,6 +26,7 @@ __all__ = ["DTYPES", "WireFormatError", "dumps", "loads"]
 _COUNT = struct.Struct("<Q")
 _INT64 = struct.Struct("<q")
 _SMALL = 1 << 63
+_MAX_DIM = 1 << 62  # a tensor dimension beyond this is damage, not a tensor
 _FLOAT = struct.Struct("<d")
 _NONE, _TRUE, _FALSE = b"N", b"T", b"F"
 _INT, _SMALL_INT, _FLOAT_TAG, _STR, _BYTES = b"i", b"q", b"f", b"s", b"b"
@@ -140,7 +141,7 @@ def loads(data: bytes | memoryview) -> Any:
     """The value :func:`dumps` encoded; raises :class:`WireFormatError` for anything else
     (including trailing bytes)."""
     view = memoryview(data).cast("B")
-    value, end = _load(view, 0)
+    value, end = _load(view, 0, 0)
     if end != len(view):
         raise WireFormatError(f"{len(view) - end} bytes follow the encoded value")
     return value
@@ -162,9 +163,24 @@ def _body(view: memoryview, offset: int) -> tuple[memoryview, int]:
     return view[start:end], end
 
 
-def _load(view: memoryview, offset: int) -> tuple[Any, int]:
+_MAX_DEPTH = 64  # containers nested deeper are damage (or a crafted frame), not a value
+
+
+def _items(view: memoryview, offset: int, per_item: int) -> tuple[int, int]:
+    """A container's item count, refused when its items could not fit in what is left
+    (each takes at least one byte, a dict entry two) before anything is built."""
+    count, offset = _count(view, offset)
+    if count * per_item > len(view) - offset:
+        raise WireFormatError(f"{count} items announced at byte {offset}, "
+                              f"{len(view) - offset} bytes left")
+    return count, offset
+
+
+def _load(view: memoryview, offset: int, depth: int) -> tuple[Any, int]:
     if offset >= len(view):
         raise WireFormatError(f"truncated at byte {offset}: a value is missing")
+    if depth > _MAX_DEPTH:
+        raise WireFormatError(f"values nested more than {_MAX_DEPTH} deep at byte {offset}")
     tag, offset = bytes(view[offset:offset + 1]), offset + 1
     if tag == _NONE:
         return None, offset
@@ -191,19 +207,19 @@ def _load(view: memoryview, offset: int) -> tuple[Any, int]:
         body, offset = _body(view, offset)
         return bytes(body), offset
     if tag in (_LIST, _TUPLE):
-        count, offset = _count(view, offset)
+        count, offset = _items(view, offset, 1)
         items = []
         for _ in range(count):
-            item, offset = _load(view, offset)
+            item, offset = _load(view, offset, depth + 1)
             items.append(item)
         return (items if tag == _LIST else tuple(items)), offset
     if tag == _DICT:
-        count, offset = _count(view, offset)
+        count, offset = _items(view, offset, 2)
         mapping: dict[Any, Any] = {}
         for _ in range(count):
-            key, offset = _load(view, offset)
+            key, offset = _load(view, offset, depth + 1)
             try:
-                mapping[key], offset = _load(view, offset)
+                mapping[key], offset = _load(view, offset, depth + 1)
             except TypeError as error:  # an unhashable key (a list) from damaged bytes
                 raise WireFormatError(f"a dict key before byte {offset} is unhashable") \
                     from error
@@ -224,6 +240,8 @@ def _load_tensor(view: memoryview, offset: int) -> tuple[torch.Tensor, int]:
     shape = []
     for _ in range(ndim):
         size, offset = _count(view, offset)
+        if size >= _MAX_DIM:
+            raise WireFormatError(f"a tensor dimension of {size} before byte {offset}")
         shape.append(size)
     raw, offset = _body(view, offset)
     if len(raw) != math.prod(shape) * dtype.itemsize:

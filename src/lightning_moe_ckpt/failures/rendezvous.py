@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed import TCPStore, distributed_c10d
 
 from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE
+from lightning_moe_ckpt.core.progress import RECOVERY
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.failures.supervisor import (
     ENV_AGENT_STORE,
@@ -358,6 +359,7 @@ class JobStore:
             dist.destroy_process_group()
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not self._all_arrived(generation):
+            RECOVERY.mark()  # waiting for the others (bounded by the deadline) is progress
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: not every rank joined generation "
                                    f"{generation} within {self.timeout.total_seconds():.0f} s")
@@ -394,6 +396,7 @@ class JobStore:
         deadline = time.monotonic() + self.timeout.total_seconds()
         with self.busy():
             while self.current_generation() == self.generation:
+                RECOVERY.mark()  # waiting for the supervisor (bounded) is progress
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(_ARRIVAL_POLL_S)
@@ -401,15 +404,29 @@ class JobStore:
 
     @contextmanager
     def busy(self) -> Iterator[None]:
-        """Keep the heartbeat going while this worker recovers (it may wait long)."""
+        """Keep the heartbeat going while this worker recovers and its recovery makes
+        progress (:data:`~lightning_moe_ckpt.core.progress.RECOVERY`): waits for the
+        others (each bounded by its own deadline), fetches, replayed iterations. A recovery
+        that makes none for the hang timeout is hung: the heartbeat stops (logged), and
+        the supervisor ends the worker as it ends a hung one, one hang timeout later."""
         stop = threading.Event()
         store = _client(self.address, self.timeout)  # its own connection: thread-safe
 
         key = heartbeat_key(self.rank, os.getpid())
+        RECOVERY.mark()
 
         def beat() -> None:
+            stalled = False
             while not stop.wait(_BUSY_BEAT_S):
-                store.add(key, 1)
+                idle = RECOVERY.idle_s()
+                if idle < self.hang_timeout_s:
+                    store.add(key, 1)
+                    stalled = False
+                elif not stalled:
+                    stalled = True
+                    log.error("rank %d (pid %d): the recovery made no progress for %.0f s; "
+                              "its heartbeat stops, so the supervisor ends this worker as "
+                              "hung", self.rank, os.getpid(), idle)
 
         thread = threading.Thread(target=beat, name="recovery-heartbeat", daemon=True)
         thread.start()

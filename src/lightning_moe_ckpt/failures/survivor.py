@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_moe_ckpt.checkpointing.coordinator import CheckpointCoordinator
 from lightning_moe_ckpt.core.collectives import all_gather_values
+from lightning_moe_ckpt.core.progress import RECOVERY
 from lightning_moe_ckpt.core.target import StepHooks, TrainingTarget
 from lightning_moe_ckpt.failures.rendezvous import JobStore
 from lightning_moe_ckpt.recovery.api import RecoveryOutcome, RecoveryRequest, recover
@@ -172,8 +173,11 @@ class PeerFailureHandler(StepHooks):
                 dist.destroy_process_group()
             gc.collect()  # what held them may be in reference cycles (frames, stages)
             self.job.join(self.job.current_generation(), self.backend)
+            RECOVERY.mark()
             self.reform_groups()
+            RECOVERY.mark()
         self.warm_up()  # in the order a fresh process reaches it: after all groups
+        RECOVERY.mark()
         reformed = time.perf_counter()
         # Everyone says which iteration it recovers (None: a replacement, empty) and which
         # ranks it already knows failed or ahead, so a retry keeps them all in scope.

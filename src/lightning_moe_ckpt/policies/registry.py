@@ -9,6 +9,7 @@ refused naming the key before anything runs.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,8 +22,8 @@ from lightning_moe_ckpt.policies.moc import MoCPlanner
 from lightning_moe_ckpt.policies.moetion import MoEtionPlanner
 from lightning_moe_ckpt.policies.moevement import MoEvementPlanner
 
-__all__ = ["PLANNER_NAMES", "SUPPLIED_OPTIONS", "make_planner", "planner_options",
-           "setting_options"]
+__all__ = ["PLANNER_NAMES", "SUPPLIED_OPTIONS", "check_options", "make_planner",
+           "planner_options", "setting_options"]
 
 
 def _planner_classes() -> dict[str, Callable[..., BasePlanner]]:
@@ -63,3 +64,24 @@ def make_planner(name: str, specs: Sequence[OperatorSpec], **options: Any) -> Ba
                          f"for checkpoint={name}; it accepts "
                          f"{', '.join(sorted(known)) or 'no options'}")
     return _planner_classes()[name](specs, **options)
+
+
+# One operator of each kind: what :func:`check_options` builds a planner over.
+_STAND_IN = (OperatorSpec("layers.0.attention", 1, 1, 1.0),
+             OperatorSpec("layers.0.moe.gate", 1, 1, 1.0),
+             OperatorSpec("layers.0.moe.experts.0", 1, 1, 0.5))
+
+
+def check_options(name: str, operators: Sequence[OperatorSpec] = _STAND_IN,
+                  **options: Any) -> None:
+    """Refuse a bad ``checkpoint.<option>`` of policy ``name`` now, before the model is
+    built: the planner is built over stand-in ``operators`` (by default one of each kind;
+    checks that need the real model, such as a window longer than its operators, come
+    when it is built).
+
+    Raises:
+        ConfigError: An unknown option or a bad value, named with its key.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_planner(name, operators, **options)

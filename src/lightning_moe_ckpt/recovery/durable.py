@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_moe_ckpt.core.collectives import all_gather_values
+from lightning_moe_ckpt.core.progress import RECOVERY
 from lightning_moe_ckpt.core.rng import restore_rng
 from lightning_moe_ckpt.core.target import TrainingTarget
 from lightning_moe_ckpt.errors import ConfigError, CorruptCheckpointError, NoUsableCheckpointError
@@ -207,6 +208,7 @@ def recover_from_durable(source: DurableSource | None, engine: TrainingTarget,
         for step in range(start, failed_step):
             engine.replay_iteration(step, None)
             report.replayed += 1
+            RECOVERY.mark()
     engine.resume_at(failed_step)
     report.phases_s["replay"] = time.perf_counter() - replaying
     return report

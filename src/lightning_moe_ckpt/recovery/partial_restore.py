@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe_ckpt.core.collectives import all_gather_values
+from lightning_moe_ckpt.core.progress import RECOVERY
 from lightning_moe_ckpt.core.target import TrainingTarget
 from lightning_moe_ckpt.core.wire import WireFormatError, dumps, loads
 from lightning_moe_ckpt.planning.schedule import expert_position
@@ -316,6 +317,7 @@ def partial_restore(coordinator: CheckpointSide, failed_step: int,
         for iteration in range(step + 1, failed_step):
             engine.replay_iteration(iteration, None)
             report.replayed += 1
+            RECOVERY.mark()
             report.forward_backward_calls += 1
     engine.resume_at(failed_step)
     report.phases_s["replay"] = time.perf_counter() - recomputing

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_moe_ckpt.core.progress import RECOVERY
 from lightning_moe_ckpt.core.target import TrainingTarget
 from lightning_moe_ckpt.errors import RecoveryInterrupted
 from lightning_moe_ckpt.snapshots.codec import CorruptCheckpointError
@@ -158,6 +159,7 @@ def sparse_to_dense(target: TrainingTarget, window: Sequence[SnapshotView], fail
             _check_interrupt(report, stop_after)
             target.replay_iteration(step, clip)
             report.replayed += 1
+            RECOVERY.mark()
             for operator, piece in view["pieces"].items():
                 if piece["kind"] == "master" or operator not in active:
                     load_piece(target, operator, piece)
@@ -174,6 +176,7 @@ def sparse_to_dense(target: TrainingTarget, window: Sequence[SnapshotView], fail
             _check_interrupt(report, stop_after)
             target.replay_iteration(step, None if clip_coefs is None else clip_coefs[step])
             report.replayed += 1
+            RECOVERY.mark()
         report.phases_s["replay"] = time.perf_counter() - replaying
         _check_interrupt(report, stop_after)  # a replay shorter than the cascade's delay
         target.resume_at(failed_step)

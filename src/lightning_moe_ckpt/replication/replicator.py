@@ -50,6 +50,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from lightning_moe_ckpt.core.progress import RECOVERY
 from lightning_moe_ckpt.replication.announcements import (
     RECORDS,
     Announcement,
@@ -131,7 +132,8 @@ class Replicator:
                  replica_store: ReplicaStore | None = None,
                  share_same_node: bool = True,
                  helper_nice: int = DEFAULT_HELPER_NICE,
-                 shard_group: Callable[[int], int] | None = None) -> None:
+                 shard_group: Callable[[int], int] | None = None,
+                 largest_snapshot: int | None = None) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.replica_count, self.ranks_per_node = replicas, ranks_per_node
@@ -140,6 +142,9 @@ class Replicator:
         group = dist.new_group(backend="gloo")  # collective: every rank creates it
         # None once destroyed (after a transfer error, or once the thread stopped).
         self.group: dist.ProcessGroup | None = group
+        # Every rank's largest encoded snapshot (-1: not bounded), the same on every rank:
+        # an announced length beyond its source's is refused before anything is allocated.
+        self.largest = _gather_largest(group, largest_snapshot)
         self.peers = self.holders(self.rank)
         self.sources = [s for s in range(self.world_size) if self.rank in self.holders(s)]
         self.replicas = replica_store if replica_store is not None else ReplicaStore()
@@ -267,6 +272,8 @@ class Replicator:
             except CorruptCheckpointError as error:
                 problems.append(f"replica on rank {holder}: {error}")
                 continue
+            finally:
+                RECOVERY.mark()
             self.last_holder = holder
             return fetched
         if not holders:
@@ -296,14 +303,31 @@ class Replicator:
         dist.broadcast(count, src=holder, group=group)
         if not int(count):
             return {}
+        if not 0 < int(count) <= _MAX_WINDOW_SNAPSHOTS:
+            raise CorruptCheckpointError(f"replica holder {holder} announced {int(count)} "
+                                         f"snapshots of rank {source}'s window starting at "
+                                         f"{window_start}; refused unread")
         index = torch.tensor([[step, data.numel()] for step, data in sorted(held.items())]
                              if held else [[0, 0]] * int(count), dtype=torch.int64)
         dist.broadcast(index, src=holder, group=group)
         steps, lengths = index[:, 0].tolist(), index[:, 1].tolist()
+        for length in lengths:  # the same decision on every rank: the same index
+            self.check_length(source, length, f"replica holder {holder}")
         payload = (torch.cat([held[step].reshape(-1) for step in steps]) if held
                    else torch.empty(sum(lengths), dtype=torch.uint8))
         dist.broadcast(payload, src=holder, group=group)
         return dict(zip(steps, payload.split(lengths), strict=True))
+
+    def check_length(self, source: int, length: int, announcer: str) -> None:
+        """Refuse an encoded snapshot of ``source`` announced (by ``announcer``) at
+        ``length`` bytes when no snapshot of that rank can be so long, before a buffer for
+        it is allocated."""
+        largest = self.largest[source]
+        if length < 0 or (largest >= 0 and length > largest):
+            raise CorruptCheckpointError(
+                f"{announcer} announced a snapshot of rank {source} of {length} bytes; rank "
+                f"{source}'s snapshots take at most {largest} bytes: refused before "
+                "allocating it")
 
     def held_window_starts(self) -> set[int]:
         """Window starts of which this rank holds a replica of some source."""
@@ -435,6 +459,8 @@ class Replicator:
         waiting = self._announce(handle, start, snapshot.step) if self._page is not None else ()
         self._file_sources()
         if copying:
+            for source in self._copy_sources:
+                self.check_length(source, int(lengths[source][0]), f"rank {source}")
             received = {s: self.replicas.buffer(int(lengths[s][0])) for s in self._copy_sources}
             _exchange(group, [(buffer, s) for s, buffer in received.items()],
                       [(data, p) for p in self._copy_peers])
@@ -630,6 +656,17 @@ class _Drain:
 
 
 _DRAIN = _Drain()
+# More snapshots than this in one window announced by a replica holder: damage.
+_MAX_WINDOW_SNAPSHOTS = 1 << 20
+
+
+def _gather_largest(group: dist.ProcessGroup, largest: int | None) -> list[int]:
+    """Every rank's largest encoded snapshot in bytes (-1: not bounded), over ``group``
+    (collective)."""
+    mine = torch.tensor([-1 if largest is None else largest], dtype=torch.int64)
+    every = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [int(value) for value in every]
 
 
 def _exchange(group: dist.ProcessGroup, receives: list[tuple[torch.Tensor, int]],

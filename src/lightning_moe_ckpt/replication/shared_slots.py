@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe_ckpt.core.collectives import all_gather_values
+from lightning_moe_ckpt.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     from lightning_moe_ckpt.snapshots.capture import CopyList
@@ -261,7 +262,11 @@ class SlotMapper:
 
     def view(self, handle: SlotHandle) -> torch.Tensor:
         """The bytes ``handle`` names, as a uint8 tensor over the source's memory; the
-        mapping lives as long as the tensor (and its views)."""
+        mapping lives as long as the tensor (and its views). A length beyond the slot is
+        refused (:class:`~lightning_moe_ckpt.errors.CorruptCheckpointError`)."""
+        if not 0 <= handle.length <= handle.capacity:
+            raise CorruptCheckpointError(f"process {handle.pid} announced {handle.length} "
+                                         f"bytes in a slot of {handle.capacity}")
         key = slot_key(handle)
         memory = self._mapped.get(key)
         if memory is None:

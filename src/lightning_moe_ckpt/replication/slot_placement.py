@@ -30,8 +30,8 @@ import torch
 from lightning_moe_ckpt.replication.shared_slots import SharedSlot, SlotRing
 from lightning_moe_ckpt.snapshots.capture import CopyList
 from lightning_moe_ckpt.snapshots.codec import (
-    HEADER_LENGTH_BYTES,
     MAGIC,
+    TRAILER_BYTES,
     encode_around_pieces,
     encode_snapshot_into,
 )
@@ -102,7 +102,7 @@ class SlotPlacement:
         layout = self._layouts[copies]
         if layout is None:
             return None
-        slot = self.ring.acquire(layout.end + self.header_room + HEADER_LENGTH_BYTES,
+        slot = self.ring.acquire(layout.end + self.header_room + TRAILER_BYTES,
                                  store_held=True)
         # Views of a slot are built once per copy list (a slot comes back for the same plan
         # shape every few windows): no per-tensor work on the training thread after that.

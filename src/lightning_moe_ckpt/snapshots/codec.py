@@ -2,7 +2,12 @@
 
 An encoded snapshot is ``MAGIC`` (which names the format's version), then one blob per
 piece, then a header (step, rank, window, metadata and, per piece, its kind, checksum and
-byte range, as :mod:`.wire` values), then the header's length as 8 little-endian bytes. A
+byte range, as :mod:`.wire` values), then the trailer: the header's CRC32C (4 bytes) and
+its length (8 bytes), little-endian. A header that fails its checksum, or that decodes to
+anything but a snapshot header whose byte ranges lie inside the encoding, is refused with
+:class:`~lightning_moe_ckpt.errors.CorruptCheckpointError` before any piece is read, and
+so is every piece whose bytes do not decode, whatever the damage: a replica holder that
+hands out such bytes is passed over for the next one. A
 piece's blob is its layout (tensor names, dtypes and shapes, a :mod:`.wire` value behind
 its length) and then the tensors' raw bytes back to back in name order
 (:mod:`.piece_blob`): encoding is one copy of the bytes. Nothing is unpickled: bytes from
@@ -50,9 +55,9 @@ from lightning_moe_ckpt.snapshots.piece_blob import (
 )
 from lightning_moe_ckpt.snapshots.snapshot import Snapshot
 
-MAGIC = b"MOESNAP4"  # the format's version: any other is refused, never read
-_LENGTH = struct.Struct("<Q")
-HEADER_LENGTH_BYTES = _LENGTH.size  # the header's length, the encoding's last bytes
+MAGIC = b"MOESNAP5"  # the format's version: any other is refused, never read
+_TRAILER = struct.Struct("<IQ")  # the header's CRC32C and length, the encoding's last bytes
+TRAILER_BYTES = _TRAILER.size
 _HEADER_GUESS = 1 << 16  # room left for the header when encoding into given memory
 
 
@@ -117,13 +122,13 @@ def encode_snapshot_into(snapshot: Snapshot,
                                         strict=True))
     header_bytes = _HEADER_GUESS
     while True:
-        target = memory(len(MAGIC) + blobs + header_bytes + _LENGTH.size)
+        target = memory(len(MAGIC) + blobs + header_bytes + TRAILER_BYTES)
         writer = _MemoryWriter(target)
         header = _write_pieces(writer, payload)
         encoded = _header_bytes(header)
-        if writer.tell() + len(encoded) + _LENGTH.size <= target.numel():
+        if writer.tell() + len(encoded) + TRAILER_BYTES <= target.numel():
             writer.write(encoded)
-            writer.write(_LENGTH.pack(len(encoded)))
+            writer.write(_trailer(encoded))
             return target, writer.tell()
         header_bytes = 2 * len(encoded)
 
@@ -174,11 +179,11 @@ def encode_around_pieces(snapshot: Snapshot, memory: torch.Tensor,
                                                          buffers.names_crc),
                        "offset": offset, "length": len(head) + piece.nbytes}
     encoded = _header_bytes({**_snapshot_fields(snapshot), "pieces": index})
-    length = end + len(encoded) + _LENGTH.size
+    length = end + len(encoded) + TRAILER_BYTES
     if length > memory.numel():
         return None
     data[end:end + len(encoded)] = encoded
-    data[length - _LENGTH.size:length] = _LENGTH.pack(len(encoded))
+    data[length - TRAILER_BYTES:length] = _trailer(encoded)
     return length
 
 
@@ -210,10 +215,14 @@ def _header_bytes(header: dict[str, Any]) -> bytes:
     return dumps(header, "the snapshot header")
 
 
+def _trailer(encoded_header: bytes) -> bytes:
+    return _TRAILER.pack(bytes_checksum(encoded_header), len(encoded_header))
+
+
 def _finish(buffer: io.BytesIO, header: dict[str, Any]) -> torch.Tensor:
     encoded = _header_bytes(header)
     buffer.write(encoded)
-    buffer.write(_LENGTH.pack(len(encoded)))
+    buffer.write(_trailer(encoded))
     # Zero-copy: the tensor keeps the BytesIO's memory alive (torch.frombuffer holds a
     # reference to the exporting buffer).
     return torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
@@ -235,21 +244,52 @@ def _check_format(raw: memoryview) -> None:
 
 def _header(raw: memoryview) -> dict[str, Any]:
     _check_format(raw)
-    if len(raw) < len(MAGIC) + _LENGTH.size:
+    if len(raw) < len(MAGIC) + TRAILER_BYTES:
         raise SnapshotFormatError(f"an encoded snapshot of {len(raw)} bytes has no header")
-    (length,) = _LENGTH.unpack(raw[-_LENGTH.size:])
-    start = len(raw) - _LENGTH.size - length
+    crc, length = _TRAILER.unpack(raw[-TRAILER_BYTES:])
+    start = len(raw) - TRAILER_BYTES - length
     if start < len(MAGIC):
         raise SnapshotFormatError(f"an encoded snapshot of {len(raw)} bytes announces a "
                                   f"header of {length} bytes")
+    encoded = raw[start:start + length]
+    if bytes_checksum(encoded) != crc:
+        raise CorruptCheckpointError(f"an encoded snapshot's header ({length} bytes) fails "
+                                     "its checksum")
     try:
-        header = loads(raw[start:start + length])
+        header = loads(encoded)
     except WireFormatError as error:
         raise SnapshotFormatError(f"an encoded snapshot's header does not decode: {error}") \
             from error
-    if not isinstance(header, dict) or not isinstance(header.get("pieces"), dict):
-        raise SnapshotFormatError("an encoded snapshot's header is not a snapshot header")
+    problem = _header_problem(header, start)
+    if problem is not None:
+        raise SnapshotFormatError(f"an encoded snapshot's header is not a snapshot header: "
+                                  f"{problem}")
     return header
+
+
+_ENTRY_TYPES = {"kind": (str,), "checksum": (int, type(None)), "frame_checksum": (int,),
+                "offset": (int,), "length": (int,)}
+
+
+def _header_problem(header: Any, end: int) -> str | None:
+    """What makes a checksum-valid ``header`` no header of a snapshot whose pieces end at
+    byte ``end`` (None: nothing)."""
+    if not isinstance(header, dict) or not isinstance(header.get("pieces"), dict):
+        return "it has no piece index"
+    for key in ("step", "rank", "window_start", "window"):
+        if type(header.get(key)) is not int:
+            return f"its {key} is {header.get(key)!r}"
+    for name, entry in header["pieces"].items():
+        if not isinstance(name, str) or not isinstance(entry, dict):
+            return f"piece {name!r} has no index entry"
+        for key, types in _ENTRY_TYPES.items():
+            if type(entry.get(key)) not in types:
+                return f"piece {name!r} has {key}={entry.get(key)!r}"
+        if not (len(MAGIC) <= entry["offset"] and entry["length"] >= 0
+                and entry["offset"] + entry["length"] <= end):
+            return (f"piece {name!r} spans bytes {entry['offset']}.."
+                    f"{entry['offset'] + entry['length']}, outside the pieces' {end}")
+    return None
 
 
 def snapshot_header(data: torch.Tensor) -> dict[str, Any]:
@@ -303,12 +343,14 @@ def _load_piece(raw: memoryview, entry: dict[str, Any], payload: dict[str, Any],
         raise _corrupt(payload, name)
     try:
         tensors = read_piece(blob)
-    except WireFormatError as error:  # checksummed, yet not a layout: refuse, never guess
-        raise _corrupt(payload, name) from error
+    except Exception as error:  # checksummed, yet not a layout: refuse, never guess
+        raise _corrupt(payload, name, f"does not decode ({type(error).__name__}: "
+                                      f"{error})") from error
     return {"kind": entry["kind"], "checksum": entry["checksum"], "tensors": tensors}
 
 
-def _corrupt(payload: dict[str, Any], name: str) -> CorruptCheckpointError:
+def _corrupt(payload: dict[str, Any], name: str,
+             what: str = "fails its checksum") -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"checkpoint piece of rank {payload['rank']}, operator {name!r}, iteration "
-        f"{payload['step']} fails its checksum")
+        f"{payload['step']} {what}")

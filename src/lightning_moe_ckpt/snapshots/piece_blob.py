@@ -90,25 +90,54 @@ def _reseed_term(names_crc: int, head: bytes, length: int) -> int:
     return reseed_checksum(0, names_crc, bytes_checksum(head), length)
 
 
+_MAX_DIM = 1 << 62  # a tensor dimension beyond this is damage, not a tensor
+
+
+def _layout_entry(entry: object) -> tuple[str, torch.dtype, list[int]]:
+    """One (name, dtype, shape) of a piece's layout, checked."""
+    if not isinstance(entry, list | tuple) or len(entry) != 3:
+        raise WireFormatError(f"a piece's layout entry {entry!r} is not (name, dtype, shape)")
+    name, dtype_name, shape = entry
+    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if not isinstance(name, str) or dtype is None:
+        raise WireFormatError(f"piece tensor {name!r} has unknown dtype {dtype_name!r}")
+    if not isinstance(shape, list | tuple) or len(shape) > 64 or not all(
+            type(size) is int and 0 <= size < _MAX_DIM for size in shape):
+        raise WireFormatError(f"piece tensor {name!r} has shape {shape!r}")
+    return name, dtype, list(shape)
+
+
 def read_piece(blob: memoryview) -> dict[str, torch.Tensor]:
-    """The tensors of a raw piece blob (own memory; the blob's checksum was verified)."""
+    """The tensors of a raw piece blob (own memory; the blob's checksum was verified).
+
+    Raises:
+        WireFormatError: The blob is no piece: cut short, a layout that is not a list of
+            (name, dtype, shape), or tensors that do not fill it exactly.
+    """
+    if len(blob) < _LAYOUT_LENGTH.size:
+        raise WireFormatError(f"a piece blob of {len(blob)} bytes has no layout")
     (length,) = _LAYOUT_LENGTH.unpack(blob[:_LAYOUT_LENGTH.size])
     start = _LAYOUT_LENGTH.size
-    layout = loads(blob[start:start + length])
     offset = start + length
+    if offset + _PADDING_LENGTH.size > len(blob):
+        raise WireFormatError(f"a piece blob of {len(blob)} bytes announces a layout of "
+                              f"{length} bytes")
+    layout = loads(blob[start:offset])
     (padding,) = _PADDING_LENGTH.unpack(blob[offset:offset + _PADDING_LENGTH.size])
     offset += _PADDING_LENGTH.size + padding
+    if not isinstance(layout, list | tuple):
+        raise WireFormatError(f"a piece's layout is a {type(layout).__name__}, not a list")
     tensors: dict[str, torch.Tensor] = {}
     for entry in layout:
-        name, dtype_name, shape = entry
-        dtype = DTYPES.get(dtype_name)
-        if dtype is None:
-            raise WireFormatError(f"piece tensor {name!r} has unknown dtype {dtype_name!r}")
+        name, dtype, shape = _layout_entry(entry)
         nbytes = math.prod(shape) * dtype.itemsize
         if offset + nbytes > len(blob):
             raise WireFormatError(f"piece tensor {name!r} runs past its blob")
-        data = torch.frombuffer(blob[offset:offset + nbytes], dtype=torch.uint8)
-        tensors[name] = data.clone().view(dtype).reshape(shape)
+        if nbytes:
+            data = torch.frombuffer(blob[offset:offset + nbytes], dtype=torch.uint8)
+            tensors[name] = data.clone().view(dtype).reshape(shape)
+        else:
+            tensors[name] = torch.empty(shape, dtype=dtype)
         offset += nbytes
     if offset != len(blob):
         raise WireFormatError(f"{len(blob) - offset} bytes follow a piece's tensors")
