@@ -20,6 +20,7 @@ from lightning_moe_ckpt.failures.tasks import (
     JobLayout,
     LauncherTask,
     TaskProcess,
+    TaskStartError,
     launcher_task,
 )
 from tests.conftest import REPO, alive
@@ -32,6 +33,8 @@ from lightning_moe_ckpt.failures.tasks import LauncherTask, register, watch_in_p
 address, task, code = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 node = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 watch_in_parent(address, task)
+if code == -2:  # killed before it registered
+    os.kill(os.getpid(), 9)
 host, port = address.rsplit(":", 1)
 store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
 register(store, LauncherTask(task, 8, node, 0))
@@ -126,6 +129,38 @@ def test_tasks_not_placed_in_blocks_stop_the_job_naming_them(
     finally:
         for process in launched:
             process.kill()
+
+
+def test_a_task_killed_before_it_registers_stops_the_job_at_once_naming_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Task 1 is killed between its monitor's start and its registration: its monitor's
+    report is seen at once (not at the 600 s startup timeout), the job stops, naming it,
+    and task 0, which registered, is stopped too."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    supervisor = Supervisor((), 2, timeout_s=30, ranks_per_node=1, launcher_tasks=2,
+                            store_port=port, startup_timeout_s=600)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(supervisor.run()))
+    thread.start()
+    time.sleep(0.5)  # the store is up
+    launched = [_start(port, 0, -1, node=0), _start(port, 1, -2, node=1)]
+    try:
+        thread.join(timeout=120)
+        assert result == [1]
+        assert "task 1 ended (killed by signal 9) before it registered" in caplog.text
+        assert [p.wait(timeout=30) for p in launched] == [128 + 9, 128 + 9]
+    finally:
+        for process in launched:
+            process.kill()
+
+
+def test_a_task_that_never_registers_is_named_at_the_startup_timeout(
+        store: TCPStore) -> None:
+    with pytest.raises(TaskStartError, match=r"task 3 did not register within 0\.2 s "
+                                             r"\(--startup-timeout-s\)"):
+        TaskProcess(store, 3, timeout_s=0.2)
 
 
 def test_a_task_whose_monitor_is_gone_counts_as_killed_after_a_wait(

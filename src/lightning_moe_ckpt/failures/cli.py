@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout-s", type=float, default=60.0,
                         help="a worker silent this long is hung and killed; equal to the "
                              "strategy's recovery_timeout_s (default 60)")
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0,
+                        help="with --launcher-tasks: how long the tasks have to start and "
+                             "register (default 600); a task that ends before it registers "
+                             "stops the job at once, naming it")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="replacements before the job gives up (default 3)")
     parser.add_argument("--preempt-grace-s", type=float, default=None,
@@ -136,6 +140,8 @@ def _host_launcher_tasks(parser: argparse.ArgumentParser, args: argparse.Namespa
     if args.script or args.module or args.fork_workers:
         parser.error("with --launcher-tasks the launcher runs the script: name none here "
                      "(and no --fork-workers)")
+    if args.startup_timeout_s <= 0:
+        parser.error(f"--startup-timeout-s={args.startup_timeout_s} must be > 0")
     if args.launcher_tasks < 1 or args.workers == 0:
         parser.error(f"--launcher-tasks={args.launcher_tasks} must be >= 1 and "
                      f"--workers={args.workers} >= 1 when given")
@@ -146,7 +152,8 @@ def _host_launcher_tasks(parser: argparse.ArgumentParser, args: argparse.Namespa
                                                 or launcher_node_size()),
                                 spare_nodes=args.spare_nodes,
                                 launcher_tasks=args.launcher_tasks, store_host=args.host,
-                                store_port=args.port, preempt_grace_s=_grace(parser, args))
+                                store_port=args.port, preempt_grace_s=_grace(parser, args),
+                                startup_timeout_s=args.startup_timeout_s)
     except ValueError as error:
         parser.error(str(error))
     return _report(supervisor)

@@ -68,6 +68,8 @@ _BUSY_BEAT_S = 0.5
 _WATCH_S = 0.1  # how often the heartbeat thread publishes progress and reads the generation
 _ARRIVAL_POLL_S = 0.05
 _STARTUP_S = 600.0  # how long a launcher's task waits for the supervisor's answer
+_SPARE_POLL_S = 0.2  # how often a warm spare asks whether it is needed
+_SPARE_STORE_S = 30.0  # a store that does not answer a spare this long is gone
 
 
 def _client(address: str, timeout: timedelta) -> TCPStore:
@@ -143,8 +145,19 @@ def await_assignment() -> bool:
     index = os.environ.pop(ENV_SPARE, None)
     if index is None:
         return True
-    store = _client(os.environ[ENV_STORE], timedelta(days=1))  # a spare may idle long
-    assignment = json.loads(store.get(f"spare/{index}"))  # blocks until the key is set
+    # A spare may idle for the whole job, but not past its supervisor: it asks now and
+    # then, and a store that stops answering (its machine gone) ends it.
+    store = _client(os.environ[ENV_STORE], timedelta(seconds=_SPARE_STORE_S))
+    key = f"spare/{index}"
+    try:
+        while not store.check([key]):
+            time.sleep(_SPARE_POLL_S)
+        assignment = json.loads(store.get(key))
+    except RuntimeError as error:  # torch's store errors: the supervisor is gone
+        log.error("spare %s (pid %d): lost the supervisor's store (%s); this spare stops",
+                  index, os.getpid(), error)
+        logging.shutdown()
+        os._exit(EXIT_SUPERVISOR_LOST)
     if assignment is None:
         return False
     generation = str(assignment["generation"])

@@ -57,7 +57,14 @@ from torch.distributed import TCPStore
 
 from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE
 from lightning_moe_ckpt.failures.forked_workers import WorkerForker, WorkerProcess
-from lightning_moe_ckpt.failures.tasks import LAYOUT_KEY, READY_KEY, JobLayout, TaskProcess
+from lightning_moe_ckpt.failures.tasks import (
+    LAYOUT_KEY,
+    READY_KEY,
+    JobLayout,
+    TaskProcess,
+    TaskStartError,
+    kill_key,
+)
 
 log = logging.getLogger("lightning_moe_ckpt")
 
@@ -277,7 +284,14 @@ class Supervisor:
             if self.launcher_tasks is None:
                 self._start_all(base, rendezvous[0].port, workers, idle, idle_nodes)
             else:
-                self._attach_tasks(store, workers, idle, idle_nodes)
+                try:
+                    self._attach_tasks(store, workers, idle, idle_nodes)
+                except TaskStartError as error:  # the job cannot start: every task stops
+                    for index in range(self.launcher_tasks):
+                        store.set(kill_key(index), "1")  # those not attached too
+                    self._stop(_every_process(workers, idle, idle_nodes))
+                    log.error("supervisor: %s; the job stops", error)
+                    return 1
                 misplaced = self._misplaced_tasks(workers, idle, idle_nodes)
                 if misplaced:
                     self._stop(_every_process(workers, idle, idle_nodes))
@@ -522,20 +536,21 @@ class Supervisor:
                       idle: list[tuple[int, WorkerProcess]],
                       idle_nodes: list[tuple[int, list[tuple[int, WorkerProcess]]]]) -> None:
         """Take the launcher's tasks (``JobLayout``'s order) as they register."""
-        store.set_timeout(timedelta(seconds=self.startup_timeout_s))
-        try:
-            for rank in range(self.world_size):
-                workers[rank] = TaskProcess(store, rank)
-            per_node = self.ranks_per_node or 1
-            for node in range(self.spare_nodes):
-                first = node * per_node
-                idle_nodes.append((node, [(index, TaskProcess(store, self.world_size + index))
-                                          for index in range(first, first + per_node)]))
-            first = self.spare_nodes * per_node
-            idle.extend((index, TaskProcess(store, self.world_size + index))
-                        for index in range(first, first + self.spares))
-        finally:
-            store.set_timeout(timedelta(seconds=max(30.0, self.timeout_s)))
+        deadline = time.monotonic() + self.startup_timeout_s
+
+        def task(index: int) -> TaskProcess:
+            return TaskProcess(store, index, max(0.0, deadline - time.monotonic()))
+
+        for rank in range(self.world_size):
+            workers[rank] = task(rank)
+        per_node = self.ranks_per_node or 1
+        for node in range(self.spare_nodes):
+            first = node * per_node
+            idle_nodes.append((node, [(index, task(self.world_size + index))
+                                      for index in range(first, first + per_node)]))
+        first = self.spare_nodes * per_node
+        idle.extend((index, task(self.world_size + index))
+                    for index in range(first, first + self.spares))
 
     def _misplaced_tasks(self, workers: dict[int, WorkerProcess],
                          idle: list[tuple[int, WorkerProcess]],

@@ -31,13 +31,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed import TCPStore
 
 from lightning_moe_ckpt.errors import ConfigError
 
-__all__ = ["JobLayout", "LauncherTask", "TaskProcess", "launcher_task", "register",
-           "watch_in_parent"]
+__all__ = ["JobLayout", "LauncherTask", "TaskProcess", "TaskStartError", "launcher_task",
+           "register", "watch_in_parent"]
 
 KILLED = -int(signal.SIGKILL)  # a task whose machine is gone (as Popen reports a kill)
 LAYOUT_KEY = "job/layout"  # the job's shape, from task 0 when the supervisor was not told
@@ -160,12 +161,26 @@ def watch_in_parent(address: str, task: int) -> None:
         os._exit(code if code >= 0 else 128 - code)
 
 
-class TaskProcess:
-    """The supervisor's handle on a task a launcher started (module docstring)."""
+class TaskStartError(RuntimeError):
+    """A launcher's task ended before it registered, or did not register in time."""
 
-    def __init__(self, store: TCPStore, task: int) -> None:
+
+class TaskProcess:
+    """The supervisor's handle on a task a launcher started (module docstring).
+
+    Args:
+        store: The job's store.
+        task: The task's id (``SLURM_PROCID``).
+        timeout_s: How long to wait for it to register (None: as long as it takes).
+
+    Raises:
+        TaskStartError: Its monitor reported it gone before it registered (seen within
+            a poll, not at the timeout), or ``timeout_s`` passed.
+    """
+
+    def __init__(self, store: TCPStore, task: int, timeout_s: float | None = None) -> None:
         self.store, self.task = store, task
-        info = json.loads(store.get(task_key(task)))  # blocks until it registered
+        info = _registration(store, task, timeout_s)
         self.pid: int = info["pid"]
         self.node: int = info["node"]
         self._code: int | None = None
@@ -192,3 +207,19 @@ class TaskProcess:
             time.sleep(_MONITOR_POLL_S)
         assert self._code is not None
         return self._code
+
+
+def _registration(store: TCPStore, task: int, timeout_s: float | None) -> dict[str, Any]:
+    """Task ``task``'s registration, once it is there (see :class:`TaskProcess`)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not store.check([task_key(task)]):
+        if store.check([gone_key(task)]):
+            code = int(store.get(exit_key(task)))
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            raise TaskStartError(f"task {task} ended ({how}) before it registered")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TaskStartError(f"task {task} did not register within {timeout_s:g} s "
+                                 "(--startup-timeout-s): was it started, with MOE_STORE set?")
+        time.sleep(_MONITOR_POLL_S)
+    info: dict[str, Any] = json.loads(store.get(task_key(task)))
+    return info
