@@ -83,7 +83,7 @@ class _Preemption:
         """Whether rank 0 has begun iteration ``step`` (once: then it is not due again)."""
         from torch.distributed import TCPStore
 
-        from lightning_moe_ckpt.failures.supervisor import STATUS_KEY, heartbeat_key
+        from lightning_moe_ckpt.failures.protocol import STATUS_KEY, heartbeat_key
 
         if self.kill_at is not None:
             return False
@@ -115,6 +115,11 @@ def run(nodes: int, per_node: int, command: Sequence[str], supervisor_args: Sequ
     job = job_id if job_id is not None else os.environ.get("SLURM_JOB_ID", str(os.getpid()))
     if tasks_only:
         return _run_tasks(nodes, per_node, command, os.environ["MOE_STORE"], job)
+    from lightning_moe_ckpt.failures.protocol import job_secret
+
+    # The job's secret, for the supervisor and every task (in the environment, as a batch
+    # script exports it): control messages without it are ignored.
+    job_secret(create=True)
     port = _free_port()
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "lightning_moe_ckpt.supervise",

@@ -9,10 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_moe_ckpt.failures.protocol import ControlChannel
 from lightning_moe_ckpt.models import MoEModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
+# The job secret of the tests' supervised jobs (a batch script would export its own): the
+# processes the tests start inherit it, as a job's tasks do.
+os.environ.setdefault("MOE_JOB_SECRET", "9" * 64)
+
+
+def job_channel(store: object) -> ControlChannel:
+    """Sealed messages on ``store`` with the tests' job secret."""
+    return ControlChannel(store, os.environ["MOE_JOB_SECRET"])  # type: ignore[arg-type]
 
 
 def alive(pid: int) -> bool:

@@ -39,19 +39,19 @@ from lightning_moe_ckpt.errors import (
     NoUsableCheckpointError,
     require,
 )
+from lightning_moe_ckpt.failures.protocol import (
+    ENV_SPARE,
+    EXIT_CONFIG,
+    EXIT_PREEMPTED,
+    EXIT_UNRECOVERABLE,
+    is_replacement,
+)
 from lightning_moe_ckpt.failures.rendezvous import (
     await_assignment,
     exit_on_error,
     is_launcher_task,
     join_as_launcher_task,
     supervised,
-)
-from lightning_moe_ckpt.failures.supervisor import (
-    ENV_SPARE,
-    EXIT_CONFIG,
-    EXIT_PREEMPTED,
-    EXIT_UNRECOVERABLE,
-    is_replacement,
 )
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
 from lightning_moe_ckpt.recovery import newest_committed_durable

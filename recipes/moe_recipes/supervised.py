@@ -22,13 +22,9 @@ from typing_extensions import override
 from lightning_moe_ckpt.callbacks import SparseCheckpointing
 from lightning_moe_ckpt.core.nodes import launcher_ranks_per_node
 from lightning_moe_ckpt.errors import require
+from lightning_moe_ckpt.failures.protocol import STATUS_KEY
 from lightning_moe_ckpt.failures.rendezvous import JobStore, supervised
-from lightning_moe_ckpt.failures.supervisor import (
-    STATUS_KEY,
-    Supervisor,
-    external_launcher,
-    report_of,
-)
+from lightning_moe_ckpt.failures.supervisor import Supervisor, external_launcher, report_of
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
 from lightning_moe_ckpt.failures.tasks import JobLayout
 from lightning_moe_ckpt.strategies import TrainerMoEParallelStrategy

@@ -10,13 +10,14 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lightning_moe_ckpt.failures.supervisor import EXIT_NO_SPARE
+from lightning_moe_ckpt.failures.protocol import EXIT_NO_SPARE
 from lightning_moe_ckpt.recovery.manifest import committed_steps
 from tests.bounded import run_bounded
 from tests.conftest import REPO, alive
@@ -231,9 +232,93 @@ def test_tasks_that_do_not_fit_the_job_stop_it_at_once_with_the_numbers(
         tmp_path: Path) -> None:
     """Four tasks for four ranks and a spare node of two: the supervisor refuses the
     shape, every task stops on it (a configuration error, not replaced)."""
-    from lightning_moe_ckpt.failures.supervisor import EXIT_CONFIG
+    from lightning_moe_ckpt.failures.protocol import EXIT_CONFIG
 
     result = run_cluster(tmp_path, 2, *PP2_DP2, "parallel.spare_nodes=1")
     assert result.returncode == EXIT_CONFIG, result.stderr[-4000:]
     assert "the launcher started 4 tasks; the job needs 6" in result.stderr
     assert "replaced" not in result.stderr
+
+
+FORGED = {"kill/1": "1", "gone/1": "1", "exit/1": "0", "generation": "7",
+          "spare/0": '{"rank": 1, "generation": 7, "master_port": 1}', "preempt": "1"}
+
+
+def test_a_client_without_the_job_secret_cannot_drive_the_job(tmp_path: Path,
+                                                               golden: Path) -> None:
+    """While the job trains, a client that reaches the store port but holds no secret
+    asks the monitor to kill task 1, reports task 1 gone, opens generation 7, hands spare
+    0 a rank and preempts the job: every message is ignored and logged, and the job ends
+    bitwise as if nothing happened. The store answers on ``--host`` alone."""
+    from lightning_moe_ckpt.failures.protocol import STATUS_KEY, heartbeat_key
+
+    port, out = _free_port(), tmp_path / "out"
+    env = {**os.environ, "MOE_STORE": f"127.0.0.1:{port}", "HYDRA_FULL_ERROR": "1",
+           "MOE_JOB_SECRET": os.urandom(32).hex()}
+    logs = {name: (tmp_path / f"{name}.log").open("w+") for name in ("supervisor", "tasks")}
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "lightning_moe_ckpt.supervise", "--launcher-tasks", "6",
+         "--ranks-per-node", "2", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stderr=logs["supervisor"], cwd=REPO)
+    tasks = subprocess.Popen(
+        [sys.executable, str(CLUSTER), "--nodes", "3", "--ranks-per-node", "2",
+         "--tasks-only", "--", str(TRAIN), f"out_dir={out}", "trainer.progress_bar=false",
+         *PP2_DP2, "parallel.spare_nodes=1"], env=env, stderr=logs["tasks"], cwd=REPO)
+    try:
+        foreign = _foreign_client(port, supervisor)
+        view = json.loads(foreign.get(STATUS_KEY))
+        while int(foreign.add(heartbeat_key(1, view["ranks"]["1"]), 0)) < 4:
+            assert supervisor.poll() is None
+        for key, value in FORGED.items():
+            foreign.set(key, value)
+        with pytest.raises(OSError):  # not on another address of this machine
+            socket.create_connection(("127.0.0.2", port), timeout=2).close()
+        assert supervisor.wait(timeout=300) == 0, _tail(logs)
+        assert tasks.wait(timeout=60) == 0, _tail(logs)
+    finally:
+        for process in (tasks, supervisor):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+    text = _tail(logs, 10**7)
+    for key in FORGED.keys() - {"exit/1"}:  # an exit code is read only after a sealed gone
+        assert f"a message '{key}'=" in text and "is not sealed with the job's secret" in text
+    metrics = _replaced(out, [])
+    assert metrics["replacements"] == [] and metrics["failures_injected"] == 0
+    assert_states_equal(golden / "final_state.pt", out / "final_state.pt")
+
+
+def _foreign_client(port: int, supervisor: subprocess.Popen[bytes]) -> Any:
+    """A store client with no secret, once the job published its status."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from lightning_moe_ckpt.failures.protocol import STATUS_KEY
+
+    deadline = time.monotonic() + 300
+    while True:
+        assert supervisor.poll() is None and time.monotonic() < deadline
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    while not store.check([STATUS_KEY]):
+        assert supervisor.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    return store
+
+
+def _tail(logs: dict[str, Any], size: int = 4000) -> str:
+    text = ""
+    for log in logs.values():
+        log.flush()
+        log.seek(0)
+        text += log.read()[-size:]
+    return text

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_moe_ckpt.failures.supervisor import EXIT_UNRECOVERABLE
+from lightning_moe_ckpt.failures.protocol import EXIT_UNRECOVERABLE
 from lightning_moe_ckpt.recovery.manifest import committed_steps
 from tests.recipes.test_train_recipe import assert_states_equal, run_recipe
 

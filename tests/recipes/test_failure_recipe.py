@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_moe_ckpt.failures.supervisor import EXIT_UNRECOVERABLE
+from lightning_moe_ckpt.failures.protocol import EXIT_UNRECOVERABLE
 from tests.recipes.test_train_recipe import assert_states_equal, run_recipe
 
 pytestmark = pytest.mark.slow

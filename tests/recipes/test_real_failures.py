@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from lightning_moe_ckpt.failures.supervisor import heartbeat_key
+from lightning_moe_ckpt.failures.protocol import heartbeat_key
 from tests.conftest import REPO, alive
 from tests.recipes.test_train_recipe import assert_states_equal, run_recipe
 
@@ -393,7 +393,7 @@ def test_no_replacement_left_ends_the_job_and_the_same_command_resumes_it_bitwis
     documented code. The same command started again finds the newest committed durable
     checkpoint by itself, the fault that struck does not strike again, and training ends
     bitwise equal to the run without the failure."""
-    from lightning_moe_ckpt.failures.supervisor import EXIT_NO_SPARE
+    from lightning_moe_ckpt.failures.protocol import EXIT_NO_SPARE
 
     job = tmp_path / "job"
     command = (*PP2_DURABLE, "faults=at", "faults.kind=kill",
@@ -422,7 +422,7 @@ def test_a_rank_killed_while_writing_a_durable_checkpoint_leaves_it_uncommitted(
     manifest; the newest committed is step 6), the job ends with the documented code, and
     the same command started again removes the torn files and resumes from step 6,
     bitwise."""
-    from lightning_moe_ckpt.failures.supervisor import EXIT_NO_SPARE
+    from lightning_moe_ckpt.failures.protocol import EXIT_NO_SPARE
     from lightning_moe_ckpt.recovery.manifest import committed_steps
 
     job = tmp_path / "job"

@@ -158,7 +158,7 @@ def test_a_stopped_job_of_a_sharded_module_resumes_by_itself_bitwise(
     with the no-spare code; the same command started again resumes from the newest
     committed checkpoint (step 6) by itself and every shard ends bitwise equal to the
     unkilled run."""
-    from lightning_moe_ckpt.failures.supervisor import EXIT_NO_SPARE
+    from lightning_moe_ckpt.failures.protocol import EXIT_NO_SPARE
     from lightning_moe_ckpt.recovery.manifest import committed_steps
 
     out = tmp_path / "job"

@@ -20,8 +20,9 @@ from lightning_moe_ckpt.core.layout import ParallelPlan
 from lightning_moe_ckpt.core.target import PipelineExecution, UserModelParallelism
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.failures.join import JoiningLoader, check_replaceable
+from lightning_moe_ckpt.failures.protocol import ENV_STORE, TIMEOUT_KEY
 from lightning_moe_ckpt.failures.rendezvous import JobStore
-from lightning_moe_ckpt.failures.supervisor import ENV_STORE, TIMEOUT_KEY
+from tests.conftest import job_channel
 
 
 def _loader(shuffle: bool = False) -> DataLoader[Any]:
@@ -125,7 +126,7 @@ def test_a_recovery_timeout_other_than_the_supervisors_is_refused(
         monkeypatch: pytest.MonkeyPatch) -> None:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=10))
-    store.set(TIMEOUT_KEY, "30.0")
+    job_channel(store).set(TIMEOUT_KEY, "30.0")
     monkeypatch.setenv(ENV_STORE, f"127.0.0.1:{store.port}")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -145,7 +146,7 @@ def test_a_recovery_timeout_whose_third_is_not_whole_microseconds_is_accepted(
     monkeypatch.setattr(rendezvous, "_THIS_PROCESS", {})
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=10))
-    store.set(TIMEOUT_KEY, repr(seconds))
+    job_channel(store).set(TIMEOUT_KEY, repr(seconds))
     monkeypatch.setenv(ENV_STORE, f"127.0.0.1:{store.port}")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -30,12 +30,13 @@ WORKER = textwrap.dedent("""
     from datetime import timedelta
     from torch.distributed import TCPStore
     from lightning_moe_ckpt.failures.rendezvous import await_assignment
-    from lightning_moe_ckpt.failures.supervisor import finished_key, heartbeat_key
+    from lightning_moe_ckpt.failures.protocol import ControlChannel, finished_key, heartbeat_key
     gc.freeze()
     if not await_assignment():  # a warm spare the job did not need
         sys.exit(0)
     host, port = os.environ["MOE_STORE"].rsplit(":", 1)
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    channel = ControlChannel(store, os.environ["MOE_JOB_SECRET"])
     rank = int(os.environ["RANK"])
     store.add(heartbeat_key(rank, os.getpid()), 1)
     print(f"worker rank={rank} replaces={os.environ.get('MOE_REPLACES')} "
@@ -56,11 +57,11 @@ WORKER = textwrap.dedent("""
         if sys.argv[1] == "exit":
             sys.exit(3)
         if sys.argv[1] == "finished":  # its training is over; it lingers, then leaves
-            store.set(finished_key(rank, os.getpid()), "1")
+            channel.set(finished_key(rank, os.getpid()), "1")
             time.sleep(8)
             sys.exit(0)
         if sys.argv[1] == "abort_after_training":  # dies at exit, its training over
-            store.set(finished_key(rank, os.getpid()), "1")
+            channel.set(finished_key(rank, os.getpid()), "1")
             os.abort()
         if sys.argv[1] == "config_error":  # a set-up error, raised as a library raises it
             from lightning_moe_ckpt.errors import ConfigError
@@ -316,7 +317,7 @@ def test_hung_worker_is_killed_after_the_timeout_and_replaced(worker_script: Pat
 def test_no_restart_left_stops_the_job(worker_script: Path) -> None:
     """With no replacement left the job ends with its documented code (started again, it
     resumes from its newest durable checkpoint)."""
-    from lightning_moe_ckpt.failures.supervisor import EXIT_NO_SPARE
+    from lightning_moe_ckpt.failures.protocol import EXIT_NO_SPARE
 
     supervisor = _supervisor(worker_script, "exit", max_restarts=0)
     assert supervisor.run() == EXIT_NO_SPARE == 89
@@ -327,7 +328,7 @@ def test_a_configuration_error_stops_the_job_at_once_without_replacements(
         worker_script: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A set-up error would stop every replacement too: it is reported once, and the
     worker that raised it is not replaced."""
-    from lightning_moe_ckpt.failures.supervisor import EXIT_CONFIG
+    from lightning_moe_ckpt.failures.protocol import EXIT_CONFIG
 
     supervisor = _supervisor(worker_script, "config_error")
     assert supervisor.run() == EXIT_CONFIG == 88
@@ -337,7 +338,8 @@ def test_a_configuration_error_stops_the_job_at_once_without_replacements(
 
 
 def test_an_external_launcher_is_named() -> None:
-    from lightning_moe_ckpt.failures.supervisor import ENV_STORE, external_launcher
+    from lightning_moe_ckpt.failures.protocol import ENV_STORE
+    from lightning_moe_ckpt.failures.supervisor import external_launcher
 
     assert external_launcher({}) is None
     assert external_launcher({"WORLD_SIZE": "1"}) is None

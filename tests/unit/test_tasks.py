@@ -14,7 +14,8 @@ import pytest
 from torch.distributed import TCPStore
 
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.failures.supervisor import EXIT_CONFIG, Supervisor
+from lightning_moe_ckpt.failures.protocol import EXIT_CONFIG
+from lightning_moe_ckpt.failures.supervisor import Supervisor
 from lightning_moe_ckpt.failures.tasks import (
     KILLED,
     JobLayout,
@@ -23,21 +24,22 @@ from lightning_moe_ckpt.failures.tasks import (
     TaskStartError,
     launcher_task,
 )
-from tests.conftest import REPO, alive
+from tests.conftest import REPO, alive, job_channel
 
 TASK = """
 import os, sys, time
 from datetime import timedelta
 from torch.distributed import TCPStore
+from lightning_moe_ckpt.failures.protocol import ControlChannel
 from lightning_moe_ckpt.failures.tasks import LauncherTask, register, watch_in_parent
 address, task, code = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 node = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-watch_in_parent(address, task)
+watch_in_parent(address, task, os.environ["MOE_JOB_SECRET"])
 if code == -2:  # killed before it registered
     os.kill(os.getpid(), 9)
 host, port = address.rsplit(":", 1)
 store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
-register(store, LauncherTask(task, 8, node, 0))
+register(ControlChannel(store, os.environ["MOE_JOB_SECRET"]), LauncherTask(task, 8, node, 0))
 if code < 0:
     time.sleep(60)  # until the supervisor has it killed
 os._exit(code)
@@ -68,7 +70,7 @@ def _await_end(process: TaskProcess) -> int:
 def test_the_monitor_reports_the_exit_code_and_exits_as_the_task_did(store: TCPStore) -> None:
     launched = _start(store, 3, 7)
     try:
-        process = TaskProcess(store, 3)  # waits for the registration
+        process = TaskProcess(job_channel(store), 3)  # waits for the registration
         assert process.pid != launched.pid  # the training process is the monitor's child
         assert _await_end(process) == 7
         assert launched.wait(timeout=30) == 7  # the launcher sees the task's own code
@@ -80,7 +82,7 @@ def test_the_monitor_reports_the_exit_code_and_exits_as_the_task_did(store: TCPS
 def test_a_kill_request_kills_the_task_by_its_pid(store: TCPStore) -> None:
     launched = _start(store, 5, -1)
     try:
-        process = TaskProcess(store, 5)
+        process = TaskProcess(job_channel(store), 5)
         assert process.poll() is None and alive(process.pid)
         process.kill()
         assert process.wait() == KILLED
@@ -160,7 +162,7 @@ def test_a_task_that_never_registers_is_named_at_the_startup_timeout(
         store: TCPStore) -> None:
     with pytest.raises(TaskStartError, match=r"task 3 did not register within 0\.2 s "
                                              r"\(--startup-timeout-s\)"):
-        TaskProcess(store, 3, timeout_s=0.2)
+        TaskProcess(job_channel(store), 3, timeout_s=0.2)
 
 
 def test_a_task_whose_monitor_is_gone_counts_as_killed_after_a_wait(
@@ -168,8 +170,8 @@ def test_a_task_whose_monitor_is_gone_counts_as_killed_after_a_wait(
     """Its machine vanished with its monitor: nothing reports it gone, and a kill request
     goes unanswered; ``wait`` gives up and calls it killed."""
     monkeypatch.setattr("lightning_moe_ckpt.failures.tasks._WAIT_S", 0.5)
-    store.set("task/9", '{"pid": 999999999, "node": 4, "host": "lost"}')
-    process = TaskProcess(store, 9)
+    job_channel(store).set("task/9", '{"pid": 999999999, "node": 4, "host": "lost"}')
+    process = TaskProcess(job_channel(store), 9)
     process.kill()
     assert process.poll() is None
     assert process.wait() == KILLED and process.poll() == KILLED

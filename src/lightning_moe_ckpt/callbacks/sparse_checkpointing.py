@@ -63,12 +63,8 @@ from lightning_moe_ckpt.core.target import (
 )
 from lightning_moe_ckpt.errors import ConfigError, fmt, is_number, require
 from lightning_moe_ckpt.failures.join import check_replaceable, protect_user_module
+from lightning_moe_ckpt.failures.protocol import EXIT_PREEMPTED, PREEMPT_GRACE_S, is_replacement
 from lightning_moe_ckpt.failures.rendezvous import JobStore, await_assignment, supervised
-from lightning_moe_ckpt.failures.supervisor import (
-    EXIT_PREEMPTED,
-    PREEMPT_GRACE_S,
-    is_replacement,
-)
 from lightning_moe_ckpt.failures.survivor import PeerFailureHandler
 from lightning_moe_ckpt.planning.agreement import LargestAcrossRanks
 from lightning_moe_ckpt.planning.planner import CapturePlan

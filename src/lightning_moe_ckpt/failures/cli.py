@@ -42,7 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_moe_ckpt.core.nodes import launcher_node_size
-from lightning_moe_ckpt.failures.supervisor import PREEMPT_GRACE_S, Supervisor, report_of
+from lightning_moe_ckpt.failures.protocol import PREEMPT_GRACE_S
+from lightning_moe_ckpt.failures.supervisor import Supervisor, report_of
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -33,10 +33,11 @@ from torch.distributed import TCPStore, distributed_c10d
 from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE
 from lightning_moe_ckpt.core.progress import RECOVERY
 from lightning_moe_ckpt.errors import ConfigError
-from lightning_moe_ckpt.failures.supervisor import (
+from lightning_moe_ckpt.failures.protocol import (
     ENV_AGENT_STORE,
     ENV_GENERATION,
     ENV_REPLACES,
+    ENV_SECRET,
     ENV_SPARE,
     ENV_STORE,
     EXIT_CONFIG,
@@ -44,22 +45,22 @@ from lightning_moe_ckpt.failures.supervisor import (
     EXIT_SUPERVISOR_LOST,
     EXIT_UNRECOVERABLE,
     FINISHED_KEY,
+    GENERATION_KEY,
+    LAYOUT_KEY,
     PREEMPT_KEY,
+    READY_KEY,
     SIGTERMS_KEY,
     TIMEOUT_KEY,
+    ControlChannel,
+    failed_key,
     finished_key,
     heartbeat_key,
+    job_secret,
     rendezvous_key,
     sigterm_key,
+    spare_key,
 )
-from lightning_moe_ckpt.failures.tasks import (
-    LAYOUT_KEY,
-    READY_KEY,
-    JobLayout,
-    launcher_task,
-    register,
-    watch_in_parent,
-)
+from lightning_moe_ckpt.failures.tasks import JobLayout, launcher_task, register, watch_in_parent
 from lightning_moe_ckpt.recovery.durable import NoUsableCheckpointError
 
 log = logging.getLogger("lightning_moe_ckpt")
@@ -102,13 +103,15 @@ def join_as_launcher_task(layout: JobLayout | None = None) -> None:
                           "supervisor (RANK) nor a launcher (SLURM_PROCID) gave this "
                           "process its place in the job")
     address = os.environ[ENV_STORE]
+    secret = _secret()
     store = _client(address, timedelta(seconds=_STARTUP_S))
     if layout is not None and task.task == 0:
-        store.set(LAYOUT_KEY, json.dumps(asdict(layout)))
-    watch_in_parent(address, task.task)  # from here on, this is the monitor's child
+        ControlChannel(store, secret).set(LAYOUT_KEY, json.dumps(asdict(layout)))
+    watch_in_parent(address, task.task, secret)  # from here on, the monitor's child
     store = _client(address, timedelta(seconds=_STARTUP_S))  # not the parent's socket
-    register(store, task)
-    ready = json.loads(store.get(READY_KEY))
+    channel = ControlChannel(store, secret)
+    register(channel, task)
+    ready = json.loads(channel.wait(READY_KEY, _STARTUP_S))
     if "error" in ready:
         raise ConfigError(ready["error"])
     world = int(ready["world_size"])
@@ -120,7 +123,7 @@ def join_as_launcher_task(layout: JobLayout | None = None) -> None:
         os.environ[f"MOE_{key}"] = os.environ.pop(key)
     env = {ENV_AGENT_STORE: "True", "MASTER_ADDR": address.rsplit(":", 1)[0],
            "WORLD_SIZE": str(world), "NODE_RANK": "0",
-           "MASTER_PORT": store.get(rendezvous_key(0)).decode()}
+           "MASTER_PORT": channel.wait(rendezvous_key(0), _STARTUP_S)}
     if ready["ranks_per_node"] is not None:
         env[ENV_RANKS_PER_NODE] = str(ready["ranks_per_node"])
     if task.task < world:
@@ -148,11 +151,11 @@ def await_assignment() -> bool:
     # A spare may idle for the whole job, but not past its supervisor: it asks now and
     # then, and a store that stops answering (its machine gone) ends it.
     store = _client(os.environ[ENV_STORE], timedelta(seconds=_SPARE_STORE_S))
-    key = f"spare/{index}"
+    channel = ControlChannel(store, _secret())
     try:
-        while not store.check([key]):
+        while (message := channel.read(spare_key(int(index)))) is None:
             time.sleep(_SPARE_POLL_S)
-        assignment = json.loads(store.get(key))
+        assignment = json.loads(message)
     except RuntimeError as error:  # torch's store errors: the supervisor is gone
         log.error("spare %s (pid %d): lost the supervisor's store (%s); this spare stops",
                   index, os.getpid(), error)
@@ -168,6 +171,21 @@ def await_assignment() -> bool:
 
 
 _THIS_PROCESS: dict[str, JobStore] = {}  # this process's handle, by store address
+
+
+def _secret() -> str:
+    """The job's secret from the environment (the supervisor's, or the batch script's).
+
+    Raises:
+        ConfigError: It is not set.
+    """
+    secret = job_secret()
+    if secret is None:
+        raise ConfigError(f"{ENV_STORE} is set but {ENV_SECRET} is not: every process of a "
+                          "supervised job holds the job's secret (the supervisor sets it for "
+                          "the processes it starts; a batch script exports it for srun's "
+                          "tasks and the supervisor alike)")
+    return secret
 
 
 @contextmanager
@@ -231,10 +249,12 @@ class JobStore:
     replaces: int | None  # the generation a replacement joins (None: an original worker)
     timeout: timedelta  # store operations and the rendezvous of a new generation
     collective_timeout: timedelta  # a collective stuck on a dead peer errors after this
+    channel: ControlChannel  # the supervisor's sealed messages, on ``store``
     hang_timeout_s: float = 60.0  # the supervisor's (--timeout-s), exactly as it gave it
     _arrived_at: set[int] = field(default_factory=set)  # generations this process joined
     _iterations: int = 0  # iterations begun (bumped by the training thread)
     _newest_seen: int = 0  # the newest generation the heartbeat thread saw
+    _newest_sealed: int = 0  # the newest generation current_generation() read
     _watcher: threading.Thread | None = None
     _stop_watch: threading.Event = field(default_factory=threading.Event)
     _sigterm: bool = False  # this process received a SIGTERM (set by its signal handler)
@@ -264,13 +284,14 @@ class JobStore:
             _stop_job_on_config_error()
             replaces = os.environ.get(ENV_REPLACES)
             store = _client(address, timedelta(seconds=3 * (timeout_s or 60.0)))
-            supervisor_s = float(store.get(TIMEOUT_KEY))
+            channel = ControlChannel(store, _secret())
+            supervisor_s = float(channel.wait(TIMEOUT_KEY, 3 * (timeout_s or 60.0)))
             timeout = timedelta(seconds=3 * supervisor_s)
             store.set_timeout(timeout)
             job = cls(store, address, int(os.environ["RANK"]),
                       int(os.environ["WORLD_SIZE"]), int(os.environ.get(ENV_GENERATION, "0")),
                       None if replaces is None else int(replaces), timeout,
-                      timedelta(seconds=supervisor_s / 3), supervisor_s)
+                      timedelta(seconds=supervisor_s / 3), channel, supervisor_s)
             _THIS_PROCESS[address] = job
         # Compared as given: a third of it in a timedelta is rounded to microseconds.
         supervisor_s = job.hang_timeout_s
@@ -283,12 +304,17 @@ class JobStore:
         return job
 
     def current_generation(self) -> int:
-        """The newest generation the supervisor opened."""
-        return int(self.store.get("generation"))
+        """The newest generation the supervisor opened (a forged value is ignored: the
+        newest sealed one seen stays)."""
+        message = self.channel.read(GENERATION_KEY)
+        if message is not None:
+            self._newest_sealed = max(self._newest_sealed, int(message))
+        return max(self._newest_sealed, self.generation)
 
     def failed_ranks(self, generation: int) -> tuple[int, ...]:
         """The ranks whose failure opened ``generation``."""
-        return tuple(json.loads(self.store.get(f"failed/{generation}")))
+        return tuple(json.loads(self.channel.wait(failed_key(generation),
+                                                  self.timeout.total_seconds())))
 
     def heartbeat(self) -> None:
         """Progress: this worker is about to run another iteration.
@@ -317,6 +343,7 @@ class JobStore:
     def _watch(self) -> None:
         try:
             store = _client(self.address, self.timeout)  # its own connection: thread-safe
+            channel = self.channel.on(store)
             key = heartbeat_key(self.rank, os.getpid())
             published = 0
             while not self._stop_watch.wait(_WATCH_S):
@@ -324,12 +351,14 @@ class JobStore:
                 if done != published:
                     store.add(key, done - published)
                     published = done
-                self._newest_seen = int(store.get("generation"))
+                message = channel.read(GENERATION_KEY)
+                if message is not None:  # (a forged one is ignored)
+                    self._newest_seen = max(self._newest_seen, int(message))
                 if self._sigterm and not self._sigterm_reported:
-                    store.set(sigterm_key(self.rank, os.getpid()), "1")
+                    channel.set(sigterm_key(self.rank, os.getpid()), "1")
                     store.add(SIGTERMS_KEY, 1)
                     self._sigterm_reported = True
-                if not self.preempt_requested and store.check([PREEMPT_KEY]):
+                if not self.preempt_requested and channel.read(PREEMPT_KEY) is not None:
                     self.preempt_requested = True
         except (RuntimeError, OSError) as error:  # torch's store errors are RuntimeErrors
             if self._stop_watch.is_set():
@@ -345,7 +374,7 @@ class JobStore:
     def training_finished(self) -> None:
         """This worker's training loop ended: the supervisor times the job's training
         and no longer expects its heartbeat."""
-        self.store.set(finished_key(self.rank, os.getpid()), "1")
+        self.channel.set(finished_key(self.rank, os.getpid()), "1")
         self.store.add(FINISHED_KEY, 1)
 
     def stop_heartbeat(self) -> None:
@@ -379,7 +408,8 @@ class JobStore:
             generation = max(generation, self.current_generation())
         distributed_c10d.default_pg_timeout = self.collective_timeout  # new_group's default
         os.environ.update({"MASTER_ADDR": self.address.rsplit(":", 1)[0], ENV_AGENT_STORE: "True",
-                           "MASTER_PORT": self.store.get(rendezvous_key(generation)).decode()})
+                           "MASTER_PORT": self.channel.wait(rendezvous_key(generation),
+                                                            self.timeout.total_seconds())})
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
                                 timeout=self.collective_timeout)
         self.generation = generation

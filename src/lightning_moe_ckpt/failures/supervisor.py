@@ -57,21 +57,41 @@ from torch.distributed import TCPStore
 
 from lightning_moe_ckpt.core.nodes import ENV_RANKS_PER_NODE
 from lightning_moe_ckpt.failures.forked_workers import WorkerForker, WorkerProcess
-from lightning_moe_ckpt.failures.tasks import (
+from lightning_moe_ckpt.failures.protocol import (
+    ENV_AGENT_STORE,
+    ENV_GENERATION,
+    ENV_REPLACES,
+    ENV_SECRET,
+    ENV_SPARE,
+    ENV_STORE,
+    EXIT_CONFIG,
+    EXIT_NO_SPARE,
+    EXIT_PREEMPTED,
+    EXIT_UNRECOVERABLE,
+    FINISHED_KEY,
+    GENERATION_KEY,
     LAYOUT_KEY,
+    PREEMPT_GRACE_S,
+    PREEMPT_KEY,
     READY_KEY,
-    JobLayout,
-    TaskProcess,
-    TaskStartError,
+    SIGTERMS_KEY,
+    STATUS_KEY,
+    TIMEOUT_KEY,
+    ControlChannel,
+    failed_key,
+    finished_key,
+    heartbeat_key,
+    hosted_store,
+    job_secret,
     kill_key,
+    rendezvous_key,
+    sigterm_key,
+    spare_key,
 )
+from lightning_moe_ckpt.failures.tasks import JobLayout, TaskProcess, TaskStartError
 
 log = logging.getLogger("lightning_moe_ckpt")
 
-ENV_GENERATION = "MOE_GENERATION"  # the generation a worker was started in
-ENV_REPLACES = "MOE_REPLACES"  # set in a replacement: the generation it joins
-ENV_STORE = "MOE_STORE"  # host:port of the supervisor's store
-ENV_SPARE = "MOE_SPARE"  # set in a warm spare: its index (it waits for a rank)
 POLL_S = 0.05
 # How long the other ranks of a node one rank of which failed are watched for failing too
 # (with ranks_per_node): a lost machine's processes are seen to exit one by one.
@@ -79,64 +99,9 @@ NODE_LOSS_S = 1.0
 # With a rank of a node hung: how much sooner than the hang timeout its node's other
 # ranks count as hung with it (the ranks of a stalled machine stop beating a moment apart).
 NODE_HANG_SLACK_S = 5.0
-# A worker's exit code for "no recovery can succeed" (nothing left to recover from): the
-# supervisor stops the job instead of replacing the worker again.
-EXIT_UNRECOVERABLE = 86
-# A worker's exit code when its supervisor is gone: no failure could be recovered any
-# more and nobody would collect its results.
-EXIT_SUPERVISOR_LOST = 87
-# A worker stopped on a configuration error (ConfigError): a replacement would stop on it
-# too, so the job stops at once with the message instead of replacing it.
-EXIT_CONFIG = 88
-# Ranks failed and no replacement is left (``max_restarts`` used up): the job ends, and
-# started again (SLURM ``--requeue``, a wrapper loop) it resumes from its newest durable
-# checkpoint.
-EXIT_NO_SPARE = 89
-# Every rank stopped on a preemption (a SIGTERM to the job): each committed a durable
-# checkpoint of the step it stopped at where the durable tier is on; started again, the job
-# resumes from it.
-EXIT_PREEMPTED = 85
-FINISHED_KEY = "finished"  # counter: workers whose training loop ended
-PREEMPT_KEY = "preempt"  # set by the supervisor: the job is preempted, every rank stops
-SIGTERMS_KEY = "sigterms"  # counter: workers that received a SIGTERM
 # How long a worker's SIGTERM waits for the job's: SIGTERMs to every rank, or to the
 # supervisor, within this make a preemption; a SIGTERM to some ranks alone is their failure.
 SIGTERM_DECIDE_S = 2.0
-PREEMPT_GRACE_S = 20.0  # default: how long preempted workers have to save and exit
-# torch.distributed's env:// rendezvous connects to MASTER_ADDR:MASTER_PORT as a client on
-# every rank (none hosts the store) when this is "True".
-ENV_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
-
-
-TIMEOUT_KEY = "timeout_s"  # the supervisor's hang timeout, which workers must share
-STATUS_KEY = "status"  # the live view (as status_path holds it), for the workers
-
-
-def is_replacement() -> bool:
-    """Whether this process replaces a failed worker of a running job (the supervisor
-    started it with the generation it joins)."""
-    return ENV_REPLACES in os.environ
-
-
-def rendezvous_key(generation: int) -> str:
-    """The job-store key holding the port of ``generation``'s rendezvous store."""
-    return f"rendezvous/{generation}"
-
-
-def heartbeat_key(rank: int, pid: int) -> str:
-    """The store counter a worker process bumps (per process: a replacement starts anew)."""
-    return f"hb/{rank}/{pid}"
-
-
-def sigterm_key(rank: int, pid: int) -> str:
-    """Set by worker process ``pid`` of ``rank`` when it received a SIGTERM."""
-    return f"sigterm/{rank}/{pid}"
-
-
-def finished_key(rank: int, pid: int) -> str:
-    """Set by a worker process whose training loop ended: its heartbeat stops for good."""
-    return f"finished/{rank}/{pid}"
-
 
 @dataclass
 class Replacement:
@@ -258,16 +223,23 @@ class Supervisor:
         self._preempted_at = time.monotonic()
 
     def _supervise(self) -> int:
-        store = TCPStore(self.store_host, self.store_port, is_master=True,
-                         wait_for_workers=False,
-                         timeout=timedelta(seconds=max(30.0, self.timeout_s)))
+        secret = job_secret(create=self.launcher_tasks is None)
+        if secret is None:  # a launcher's tasks must hold the same one: the script's
+            log.error("supervisor: %s is not set: with --launcher-tasks the batch script "
+                      "exports the job's secret for the supervisor and srun's tasks alike "
+                      "(export %s=$(python -c 'import secrets; print(secrets.token_hex(32))'))",
+                      ENV_SECRET, ENV_SECRET)
+            return EXIT_CONFIG
+        store = hosted_store(self.store_host, self.store_port,
+                             timedelta(seconds=max(30.0, self.timeout_s)))
+        self._channel = channel = ControlChannel(store, secret)
         if self.launcher_tasks is not None:
             answered = self._shape_from_tasks(store)
             if answered is not None:
                 return answered
-        store.set(TIMEOUT_KEY, repr(float(self.timeout_s)))
+        channel.set(TIMEOUT_KEY, repr(float(self.timeout_s)))
         rendezvous = [self._open_rendezvous(store, 0)]  # one store per generation
-        store.set("generation", "0")
+        channel.set(GENERATION_KEY, "0")
         self.started = time.monotonic()
         base = {**os.environ, **self.env, ENV_STORE: f"{self.store_host}:{store.port}",
                 "MASTER_ADDR": self.store_host, ENV_AGENT_STORE: "True",
@@ -288,7 +260,7 @@ class Supervisor:
                     self._attach_tasks(store, workers, idle, idle_nodes)
                 except TaskStartError as error:  # the job cannot start: every task stops
                     for index in range(self.launcher_tasks):
-                        store.set(kill_key(index), "1")  # those not attached too
+                        channel.set(kill_key(index), "1")  # those not attached too
                     self._stop(_every_process(workers, idle, idle_nodes))
                     log.error("supervisor: %s; the job stops", error)
                     return 1
@@ -307,7 +279,7 @@ class Supervisor:
             finished_ok: set[int] = set()  # ranks that exited 0 (their training ended)
             while len(done) < self.world_size:
                 time.sleep(POLL_S)
-                lone, everyone = sigterms.poll(store, workers, done)
+                lone, everyone = sigterms.poll(channel, workers, done)
                 if everyone and self._preempted_at is None:
                     self._preempted_at = time.monotonic()  # every rank got it: the job's
                 if self._preempted_at is not None:
@@ -335,7 +307,7 @@ class Supervisor:
                     if code == 0:
                         done.add(rank)
                         finished_ok.add(rank)
-                    elif code is not None and self._training_finished(store, rank, process.pid):
+                    elif code is not None and self._training_finished(rank, process.pid):
                         # No generation can form without the ranks that finished, and
                         # there is nothing left to train: the failure is reported, not
                         # replaced (see _after_training).
@@ -390,9 +362,9 @@ class Supervisor:
                 for rank, cause in sorted(failed.items()):
                     log.warning("supervisor: rank %d (pid %d) failed: %s; opening generation "
                                 "%d", rank, workers[rank].pid, cause, generation)
-                store.set(f"failed/{generation}", json.dumps(sorted(failed)))
+                channel.set(failed_key(generation), json.dumps(sorted(failed)))
                 rendezvous.append(self._open_rendezvous(store, generation))
-                store.set("generation", str(generation))
+                channel.set(GENERATION_KEY, str(generation))
                 idle = [(index, process) for index, process in idle if process.poll() is None]
                 idle_nodes = [(node, spares) for node, spares in idle_nodes
                               if all(process.poll() is None for _, process in spares)]
@@ -406,7 +378,7 @@ class Supervisor:
                             spare_node, (index, workers[rank]) = by_spare_node[rank]
                         else:
                             index, workers[rank] = idle.pop(0)
-                        store.set(f"spare/{index}", json.dumps(
+                        channel.set(spare_key(index), json.dumps(
                             {"rank": rank, "generation": generation,
                              "master_port": rendezvous[generation].port}))
                     else:
@@ -430,7 +402,7 @@ class Supervisor:
             self.training_s = time.monotonic() - self.started - (self.training_started_s or 0.0)
         unused = idle + [spare for _, spares in idle_nodes for spare in spares]
         for index, _ in unused:  # training is over: the unused spares leave
-            store.set(f"spare/{index}", json.dumps(None))
+            channel.set(spare_key(index), json.dumps(None))
         self._stop(_every_process({}, unused), grace_s=self.timeout_s)
         return self._after_training(after_training)
 
@@ -454,8 +426,8 @@ class Supervisor:
         stopped, and once all did or the grace ran out, the job's exit code
         (``EXIT_PREEMPTED`` when every rank stopped on it, else ``128 + SIGTERM``)."""
         assert self._preempted_at is not None
-        if not store.check([PREEMPT_KEY]):
-            store.set(PREEMPT_KEY, "1")
+        if self._channel.read(PREEMPT_KEY) is None:
+            self._channel.set(PREEMPT_KEY, "1")
             log.warning("supervisor: the job is preempted (SIGTERM); every rank commits a "
                         "durable checkpoint and stops within %g s", self.preempt_grace_s)
         for rank, process in workers.items():
@@ -471,7 +443,7 @@ class Supervisor:
             return None
         everyone = _every_process(workers, idle, idle_nodes)
         for index, _ in [*idle, *(spare for _, spares in idle_nodes for spare in spares)]:
-            store.set(f"spare/{index}", json.dumps(None))  # the spares leave
+            self._channel.set(spare_key(index), json.dumps(None))  # the spares leave
         self._stop(everyone, grace_s=0.0 if late else self.preempt_grace_s)
         if finished == set(workers):
             return 0  # the job was done before the preemption reached it
@@ -506,10 +478,11 @@ class Supervisor:
         against the tasks started and answer the tasks (``job/ready``); the job's exit code
         when it cannot start (``EXIT_CONFIG``: the shape does not fit, the tasks told
         why; 1: no shape came), else None."""
+        channel = self._channel
         if self.world_size == 0:
             try:
-                store.wait([LAYOUT_KEY], timedelta(seconds=self.startup_timeout_s))
-            except RuntimeError:  # torch's store timeout
+                shape = channel.wait(LAYOUT_KEY, self.startup_timeout_s)
+            except TimeoutError:
                 log.error("supervisor: task 0 sent no job shape within %g s: were the tasks "
                           "started with MOE_STORE=%s:%d, and does their script join the job "
                           "(SparseCheckpointing, or the recipe)? Or give --workers",
@@ -517,7 +490,7 @@ class Supervisor:
                 return 1
         try:
             if self.world_size == 0:
-                layout = JobLayout(**json.loads(store.get(LAYOUT_KEY)))
+                layout = JobLayout(**json.loads(shape))
                 self.world_size, self.spares = layout.world_size, layout.spares
                 self.spare_nodes, self.timeout_s = layout.spare_nodes, layout.timeout_s
                 self.max_restarts = layout.max_restarts
@@ -525,10 +498,10 @@ class Supervisor:
                 self.durable_dir = layout.durable_dir
                 self._check_shape()
         except ValueError as error:
-            store.set(READY_KEY, json.dumps({"error": f"supervisor: {error}"}))
+            channel.set(READY_KEY, json.dumps({"error": f"supervisor: {error}"}))
             log.error("supervisor: %s; the job stops", error)
             return EXIT_CONFIG
-        store.set(READY_KEY, json.dumps({"world_size": self.world_size,
+        channel.set(READY_KEY, json.dumps({"world_size": self.world_size,
                                          "ranks_per_node": self.ranks_per_node}))
         return None
 
@@ -539,7 +512,7 @@ class Supervisor:
         deadline = time.monotonic() + self.startup_timeout_s
 
         def task(index: int) -> TaskProcess:
-            return TaskProcess(store, index, max(0.0, deadline - time.monotonic()))
+            return TaskProcess(self._channel, index, max(0.0, deadline - time.monotonic()))
 
         for rank in range(self.world_size):
             workers[rank] = task(rank)
@@ -582,10 +555,9 @@ class Supervisor:
         by_node = self._spare_nodes_for(failed, nodes)
         return len(failed) - len(by_node) <= len(live)
 
-    @staticmethod
-    def _training_finished(store: TCPStore, rank: int, pid: int) -> bool:
+    def _training_finished(self, rank: int, pid: int) -> bool:
         """Whether process ``pid`` of ``rank`` reported the end of its training loop."""
-        return store.check([finished_key(rank, pid)])
+        return self._channel.read(finished_key(rank, pid)) is not None
 
     @staticmethod
     def _after_training(failed: dict[int, str]) -> int:
@@ -603,9 +575,9 @@ class Supervisor:
     def _open_rendezvous(self, store: TCPStore, generation: int) -> TCPStore:
         """The store ``generation``'s default process group rendezvous on, its port
         published in the job store (kept open until the job ends)."""
-        rendezvous = TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=max(30.0, self.timeout_s)))
-        store.set(rendezvous_key(generation), str(rendezvous.port))
+        rendezvous = hosted_store(self.store_host, 0,
+                                  timedelta(seconds=max(30.0, self.timeout_s)))
+        self._channel.set(rendezvous_key(generation), str(rendezvous.port))
         return rendezvous
 
     def _start(self, base: dict[str, str], rank: int, generation: int,
@@ -626,7 +598,7 @@ class Supervisor:
               beats: dict[int, tuple[int, float]], slack_s: float = 0.0) -> bool:
         """Whether ``rank``'s heartbeat has been still for the hang timeout (less
         ``slack_s``)."""
-        if self._training_finished(store, rank, pid):
+        if self._training_finished(rank, pid):
             return False  # its training is over: no more beats are due
         count = int(store.add(heartbeat_key(rank, pid), 0))
         last, since = beats[rank]
@@ -732,17 +704,17 @@ class _SigtermWatch:
     since: dict[tuple[int, int], float] = field(default_factory=dict)  # (rank, pid) -> when
     handled: set[tuple[int, int]] = field(default_factory=set)
 
-    def poll(self, store: TCPStore, workers: Mapping[int, WorkerProcess], done: set[int]
-             ) -> tuple[list[int], bool]:
+    def poll(self, channel: ControlChannel, workers: Mapping[int, WorkerProcess],
+             done: set[int]) -> tuple[list[int], bool]:
         """Read new reports: the ranks whose lone SIGTERM is now their failure, and whether
         every live rank received one (the job is preempted)."""
-        count = int(store.add(SIGTERMS_KEY, 0))
+        count = int(channel.store.add(SIGTERMS_KEY, 0))
         if count != self.seen:
             self.seen = count
             now = time.monotonic()
             for rank, process in workers.items():
                 key = (rank, process.pid)
-                if key not in self.since and store.check([sigterm_key(*key)]):
+                if key not in self.since and channel.read(sigterm_key(*key)) is not None:
                     self.since[key] = now
         live = {(rank, p.pid) for rank, p in workers.items() if rank not in done}
         pending = {key: t for key, t in self.since.items()

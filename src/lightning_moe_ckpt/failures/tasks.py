@@ -36,35 +36,20 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from lightning_moe_ckpt.errors import ConfigError
+from lightning_moe_ckpt.failures.protocol import (
+    ControlChannel,
+    exit_key,
+    gone_key,
+    kill_key,
+    task_key,
+)
 
 __all__ = ["JobLayout", "LauncherTask", "TaskProcess", "TaskStartError", "launcher_task",
            "register", "watch_in_parent"]
 
 KILLED = -int(signal.SIGKILL)  # a task whose machine is gone (as Popen reports a kill)
-LAYOUT_KEY = "job/layout"  # the job's shape, from task 0 when the supervisor was not told
-READY_KEY = "job/ready"  # the supervisor's answer to the tasks: the layout, or an error
 _MONITOR_POLL_S = 0.1
 _WAIT_S = 5.0  # how long a kill request waits for the monitor's report
-
-
-def task_key(task: int) -> str:
-    """Registration: ``{"pid", "node", "host"}`` of task ``task``."""
-    return f"task/{task}"
-
-
-def gone_key(task: int) -> str:
-    """Set by a task's monitor once the task exited."""
-    return f"gone/{task}"
-
-
-def exit_key(task: int) -> str:
-    """The exit code a task wrote before it left on its own."""
-    return f"exit/{task}"
-
-
-def kill_key(task: int) -> str:
-    """Set by the supervisor: the task's monitor kills it."""
-    return f"kill/{task}"
 
 
 @dataclass(frozen=True)
@@ -116,19 +101,20 @@ def launcher_task(environ: Mapping[str, str] | None = None) -> LauncherTask | No
     return LauncherTask(*values)
 
 
-def register(store: TCPStore, task: LauncherTask) -> None:
+def register(channel: ControlChannel, task: LauncherTask) -> None:
     """Announce this process as ``task`` (pid, node, host) to the supervisor."""
-    store.set(task_key(task.task), json.dumps({"pid": os.getpid(), "node": task.node,
-                                               "host": socket.gethostname()}))
+    channel.set(task_key(task.task), json.dumps({"pid": os.getpid(), "node": task.node,
+                                                 "host": socket.gethostname()}))
 
 
-def watch_in_parent(address: str, task: int) -> None:
+def watch_in_parent(address: str, task: int, secret: str) -> None:
     """Split this process in two: the child returns and goes on as the task (the training
     script, its imports done); the parent, the process the launcher started, becomes the
     task's monitor and never returns. The monitor waits for the child, writes its exit
     code (negative: the signal that ended it) and then ``gone/<task>``, kills it when
     ``kill/<task>`` is set, passes SIGTERM and SIGINT (a scheduler's cancel) on to it, and
-    exits as it did, so the launcher sees the task's own outcome."""
+    exits as it did, so the launcher sees the task's own outcome. Its messages are sealed
+    with the job's ``secret``, and a kill request not sealed with it is ignored."""
     host, port = address.rsplit(":", 1)
     child = os.fork()
     if child == 0:
@@ -142,18 +128,19 @@ def watch_in_parent(address: str, task: int) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, pass_on)
         store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+        channel = ControlChannel(store, secret)
         status = None
         while status is None:
             done, waited = os.waitpid(child, os.WNOHANG)
             if done:
                 status = waited
-            elif store.check([kill_key(task)]):
+            elif channel.read(kill_key(task)) is not None:
                 os.kill(child, signal.SIGKILL)
             else:
                 time.sleep(_MONITOR_POLL_S)
         code = os.waitstatus_to_exitcode(status)
-        store.set(exit_key(task), str(code))
-        store.set(gone_key(task), "1")
+        channel.set(exit_key(task), str(code))
+        channel.set(gone_key(task), "1")
     except BaseException:  # the store is gone: so is the job
         with contextlib.suppress(ChildProcessError, ProcessLookupError):
             os.kill(child, signal.SIGKILL)
@@ -169,7 +156,7 @@ class TaskProcess:
     """The supervisor's handle on a task a launcher started (module docstring).
 
     Args:
-        store: The job's store.
+        channel: The job's store, its messages sealed.
         task: The task's id (``SLURM_PROCID``).
         timeout_s: How long to wait for it to register (None: as long as it takes).
 
@@ -178,23 +165,25 @@ class TaskProcess:
             a poll, not at the timeout), or ``timeout_s`` passed.
     """
 
-    def __init__(self, store: TCPStore, task: int, timeout_s: float | None = None) -> None:
-        self.store, self.task = store, task
-        info = _registration(store, task, timeout_s)
+    def __init__(self, channel: ControlChannel, task: int,
+                 timeout_s: float | None = None) -> None:
+        self.channel, self.task = channel, task
+        info = _registration(channel, task, timeout_s)
         self.pid: int = info["pid"]
         self.node: int = info["node"]
         self._code: int | None = None
 
     def poll(self) -> int | None:
         """Its exit code once its monitor reported it gone, else None."""
-        if self._code is None and self.store.check([gone_key(self.task)]):
-            self._code = int(self.store.get(exit_key(self.task)))
+        if self._code is None and self.channel.read(gone_key(self.task)) is not None:
+            code = self.channel.read(exit_key(self.task))
+            self._code = KILLED if code is None else int(code)
         return self._code
 
     def kill(self) -> None:
         """Ask its monitor to kill it (SIGKILL)."""
         if self._code is None:
-            self.store.set(kill_key(self.task), "1")
+            self.channel.set(kill_key(self.task), "1")
 
     def wait(self) -> int:
         """Its exit code; ``KILLED`` when no monitor reported within a few seconds (its
@@ -209,17 +198,18 @@ class TaskProcess:
         return self._code
 
 
-def _registration(store: TCPStore, task: int, timeout_s: float | None) -> dict[str, Any]:
+def _registration(channel: ControlChannel, task: int,
+                  timeout_s: float | None) -> dict[str, Any]:
     """Task ``task``'s registration, once it is there (see :class:`TaskProcess`)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not store.check([task_key(task)]):
-        if store.check([gone_key(task)]):
-            code = int(store.get(exit_key(task)))
+    while (registration := channel.read(task_key(task))) is None:
+        if channel.read(gone_key(task)) is not None:
+            code = int(channel.read(exit_key(task)) or KILLED)
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
             raise TaskStartError(f"task {task} ended ({how}) before it registered")
         if deadline is not None and time.monotonic() > deadline:
             raise TaskStartError(f"task {task} did not register within {timeout_s:g} s "
                                  "(--startup-timeout-s): was it started, with MOE_STORE set?")
         time.sleep(_MONITOR_POLL_S)
-    info: dict[str, Any] = json.loads(store.get(task_key(task)))
+    info: dict[str, Any] = json.loads(registration)
     return info

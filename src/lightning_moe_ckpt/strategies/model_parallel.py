@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_moe_ckpt.core.target import RankReplacement
 from lightning_moe_ckpt.errors import ConfigError
 from lightning_moe_ckpt.failures.join import JoiningLoader
-from lightning_moe_ckpt.failures.supervisor import is_replacement
+from lightning_moe_ckpt.failures.protocol import is_replacement
 from lightning_moe_ckpt.parallel.fsdp import (
     has_separate_reduce_scatter_group,
     reattach_fsdp_groups,

@@ -38,8 +38,8 @@ from typing_extensions import override
 
 from lightning_moe_ckpt.core.operators import local_tensor, shard_like
 from lightning_moe_ckpt.failures.join import JoiningLoader
+from lightning_moe_ckpt.failures.protocol import is_replacement
 from lightning_moe_ckpt.failures.rendezvous import await_assignment
-from lightning_moe_ckpt.failures.supervisor import is_replacement
 from lightning_moe_ckpt.parallel.model_plans import ParallelizeFn
 from lightning_moe_ckpt.parallel.plan_selection import check_user_model
 from lightning_moe_ckpt.strategies.common import (

@@ -38,7 +38,7 @@ from lightning_moe_ckpt.core.collectives import all_gather_values
 from lightning_moe_ckpt.core.files import WriteFault, add_write_fault, remove_write_fault
 from lightning_moe_ckpt.core.target import StepHooks, StepResult, TrainingTarget
 from lightning_moe_ckpt.errors import ConfigError, InjectedFailure
-from lightning_moe_ckpt.failures.supervisor import is_replacement
+from lightning_moe_ckpt.failures.protocol import is_replacement
 from lightning_moe_ckpt.recovery.api import RecoveryRequest, recover
 from lightning_moe_ckpt.recovery.baselines import is_baseline
 from lightning_moe_ckpt.recovery.sparse_to_dense import Cascade, RecoveryReport
