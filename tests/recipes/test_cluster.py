@@ -5,6 +5,7 @@ that runs out of spares: each ends bitwise equal to the run without the failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -253,22 +254,13 @@ def test_a_client_without_the_job_secret_cannot_drive_the_job(tmp_path: Path,
     from lightning_moe_ckpt.failures.protocol import STATUS_KEY, heartbeat_key
 
     port, out = _free_port(), tmp_path / "out"
-    env = {**os.environ, "MOE_STORE": f"127.0.0.1:{port}", "HYDRA_FULL_ERROR": "1",
-           "MOE_JOB_SECRET": os.urandom(32).hex()}
-    logs = {name: (tmp_path / f"{name}.log").open("w+") for name in ("supervisor", "tasks")}
-    supervisor = subprocess.Popen(
-        [sys.executable, "-m", "lightning_moe_ckpt.supervise", "--launcher-tasks", "6",
-         "--ranks-per-node", "2", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stderr=logs["supervisor"], cwd=REPO)
-    tasks = subprocess.Popen(
-        [sys.executable, str(CLUSTER), "--nodes", "3", "--ranks-per-node", "2",
-         "--tasks-only", "--", str(TRAIN), f"out_dir={out}", "trainer.progress_bar=false",
-         *PP2_DP2, "parallel.spare_nodes=1"], env=env, stderr=logs["tasks"], cwd=REPO)
+    supervisor, tasks, logs = _start_job(tmp_path, port, "parallel.spare_nodes=1")
     try:
         foreign = _foreign_client(port, supervisor)
         view = json.loads(foreign.get(STATUS_KEY))
         while int(foreign.add(heartbeat_key(1, view["ranks"]["1"]), 0)) < 4:
             assert supervisor.poll() is None
+            time.sleep(0.02)
         for key, value in FORGED.items():
             foreign.set(key, value)
         with pytest.raises(OSError):  # not on another address of this machine
@@ -276,20 +268,103 @@ def test_a_client_without_the_job_secret_cannot_drive_the_job(tmp_path: Path,
         assert supervisor.wait(timeout=300) == 0, _tail(logs)
         assert tasks.wait(timeout=60) == 0, _tail(logs)
     finally:
-        for process in (tasks, supervisor):
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        _end(tasks, supervisor)
     text = _tail(logs, 10**7)
     for key in FORGED.keys() - {"exit/1"}:  # an exit code is read only after a sealed gone
         assert f"a message '{key}'=" in text and "is not sealed with the job's secret" in text
     metrics = _replaced(out, [])
     assert metrics["replacements"] == [] and metrics["failures_injected"] == 0
     assert_states_equal(golden / "final_state.pt", out / "final_state.pt")
+
+
+def _start_job(tmp_path: Path, port: int, *overrides: str, supervisor_args: Sequence[str] = ()
+               ) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], dict[str, Any]]:
+    """The supervisor on ``port`` (127.0.0.1) and ``recipes/cluster.py --tasks-only`` for
+    three nodes of two tasks, as a batch script starts them (their own secret), training
+    ``PP2_DP2`` with ``overrides`` into ``tmp_path/out``; their logs in ``tmp_path``."""
+    env = {**os.environ, "MOE_STORE": f"127.0.0.1:{port}", "HYDRA_FULL_ERROR": "1",
+           "MOE_JOB_SECRET": os.urandom(32).hex()}
+    logs = {name: (tmp_path / f"{name}.log").open("w+") for name in ("supervisor", "tasks")}
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "lightning_moe_ckpt.supervise", "--launcher-tasks", "6",
+         "--ranks-per-node", "2", "--host", "127.0.0.1", "--port", str(port),
+         *supervisor_args], env=env, stderr=logs["supervisor"], cwd=REPO)
+    tasks = subprocess.Popen(
+        [sys.executable, str(CLUSTER), "--nodes", "3", "--ranks-per-node", "2",
+         "--tasks-only", "--", str(TRAIN), f"out_dir={tmp_path / 'out'}",
+         "trainer.progress_bar=false", *PP2_DP2, *overrides],
+        env=env, stderr=logs["tasks"], cwd=REPO)
+    return supervisor, tasks, logs
+
+
+def _end(*processes: subprocess.Popen[bytes]) -> None:
+    """End what is still running (cluster.py ends its nodes' groups on SIGTERM)."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_frozen_node_thawed_after_its_replacement_stops_and_the_job_ends_bitwise(
+        tmp_path: Path, golden: Path) -> None:
+    """Every process of node 1 (its two ranks and their monitors) is frozen (SIGSTOP),
+    as a stalled machine is: the heartbeats stop, the supervisor's kill requests go
+    unanswered, it gives up on them and the spare node takes over. Thawed (SIGCONT) once
+    the job went on, the stale processes learn that they were replaced and stop within
+    seconds, taking no part in the new generation; the job ends bitwise."""
+    import signal
+
+    from lightning_moe_ckpt.failures.protocol import STATUS_KEY, heartbeat_key
+
+    port, status = _free_port(), tmp_path / "workers.json"
+    supervisor, tasks, logs = _start_job(tmp_path, port, "recovery.timeout_s=20",
+                                         "parallel.spare_nodes=1",
+                                         supervisor_args=["--status", str(status)])
+    frozen: list[int] = []
+    try:
+        store = _foreign_client(port, supervisor)
+        view = json.loads(store.get(STATUS_KEY))
+        while int(store.add(heartbeat_key(2, view["ranks"]["2"]), 0)) < 5:
+            assert supervisor.poll() is None
+            time.sleep(0.02)
+        stale = [view["ranks"]["2"], view["ranks"]["3"]]
+        monitors = [int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                    for pid in stale]
+        frozen = stale + monitors
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 240
+        while json.loads(store.get(STATUS_KEY))["ranks"]["2"] == stale[0]:
+            assert supervisor.poll() is None and time.monotonic() < deadline, _tail(logs)
+            time.sleep(0.2)
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while any(_running(pid) for pid in frozen):
+            assert time.monotonic() < deadline, [p for p in frozen if _running(p)]
+            time.sleep(0.2)
+        assert supervisor.wait(timeout=300) == 0, _tail(logs)
+        tasks.wait(timeout=60)  # node 1's old tasks ended killed or fenced, as srun reports
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _end(tasks, supervisor)
+    metrics = _replaced(tmp_path / "out", [2, 3], cause="hang")
+    assert {r["spare_node"] for r in metrics["replacements"]} == {0}
+    assert_states_equal(golden / "final_state.pt", tmp_path / "out" / "final_state.pt")
 
 
 def _foreign_client(port: int, supervisor: subprocess.Popen[bytes]) -> Any:

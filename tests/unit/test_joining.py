@@ -5,6 +5,7 @@ supervisor's."""
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import timedelta
 from types import SimpleNamespace
@@ -152,3 +153,46 @@ def test_a_recovery_timeout_whose_third_is_not_whole_microseconds_is_accepted(
     monkeypatch.setenv("WORLD_SIZE", "2")
     job = JobStore.from_env(seconds)
     assert job is not None and job.hang_timeout_s == seconds
+
+
+FENCED_WORKER = """
+import os, sys
+from lightning_moe_ckpt.failures.rendezvous import JobStore
+job = JobStore.from_env(30.0)
+print(os.getpid(), flush=True)
+sys.stdin.readline()  # the test fences this process (or not) meanwhile
+job.arrive(1)  # generation 1's rendezvous
+"""
+
+
+@pytest.mark.parametrize("host", ["here", "elsewhere"])
+def test_a_fenced_process_takes_no_part_in_a_newer_generation(host: str) -> None:
+    """The supervisor gave up on this process (rank 0) and replaced it: when it comes
+    back it stops (exit 84) before it counts in at generation 1. A fence for the same
+    rank and pid on another machine is not its own."""
+    import socket
+    import subprocess
+    import sys
+
+    from lightning_moe_ckpt.failures.protocol import EXIT_FENCED, fenced_key, hosted_store
+
+    store = hosted_store("127.0.0.1", 0, timedelta(seconds=10))
+    channel = job_channel(store)
+    channel.set(TIMEOUT_KEY, "30.0")
+    env = {**os.environ, ENV_STORE: f"127.0.0.1:{store.port}", "RANK": "0", "WORLD_SIZE": "2"}
+    worker = subprocess.Popen([sys.executable, "-c", FENCED_WORKER], env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert worker.stdout is not None and worker.stdin is not None
+        pid = int(worker.stdout.readline())
+        where = socket.gethostname() if host == "here" else "another-machine"
+        channel.set(fenced_key(0, pid), json.dumps({"generation": 1, "host": where}))
+        worker.stdin.write("\n")
+        worker.stdin.flush()
+        code = worker.wait(timeout=60)
+    finally:
+        worker.kill()
+    if host == "here":
+        assert code == EXIT_FENCED and int(store.add("gen1/arrived", 0)) == 0
+    else:
+        assert code == 0 and int(store.add("gen1/arrived", 0)) == 1

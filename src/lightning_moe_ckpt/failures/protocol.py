@@ -97,6 +97,9 @@ EXIT_NO_SPARE = 89
 # checkpoint of the step it stopped at where the durable tier is on; started again, the job
 # resumes from it.
 EXIT_PREEMPTED = 85
+# A worker the supervisor gave up on and replaced (a machine cut off, then back) learned
+# it was fenced and stopped itself: its rank lives on in its replacement.
+EXIT_FENCED = 84
 FINISHED_KEY = "finished"  # counter: workers whose training loop ended
 PREEMPT_KEY = "preempt"  # set by the supervisor: the job is preempted, every rank stops
 SIGTERMS_KEY = "sigterms"  # counter: workers that received a SIGTERM
@@ -146,6 +149,13 @@ GENERATION_KEY = "generation"  # the newest generation the supervisor opened
 def failed_key(generation: int) -> str:
     """The ranks whose failure opened ``generation`` (a JSON list)."""
     return f"failed/{generation}"
+
+
+def fenced_key(rank: int, pid: int) -> str:
+    """Set by the supervisor for a worker process it gave up on (``{"generation", "host"}``):
+    that process may still run (its machine was cut off or frozen) and must take no part
+    in a newer generation; it stops itself once it reads this."""
+    return f"fenced/{rank}/{pid}"
 
 
 def spare_key(index: int) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -41,6 +42,7 @@ from lightning_moe_ckpt.failures.protocol import (
     ENV_SPARE,
     ENV_STORE,
     EXIT_CONFIG,
+    EXIT_FENCED,
     EXIT_PREEMPTED,
     EXIT_SUPERVISOR_LOST,
     EXIT_UNRECOVERABLE,
@@ -53,6 +55,7 @@ from lightning_moe_ckpt.failures.protocol import (
     TIMEOUT_KEY,
     ControlChannel,
     failed_key,
+    fenced_key,
     finished_key,
     heartbeat_key,
     job_secret,
@@ -354,6 +357,8 @@ class JobStore:
                 message = channel.read(GENERATION_KEY)
                 if message is not None:  # (a forged one is ignored)
                     self._newest_seen = max(self._newest_seen, int(message))
+                if self._newest_seen > self.generation:  # it may have replaced this one
+                    self._stop_if_fenced(channel)
                 if self._sigterm and not self._sigterm_reported:
                     channel.set(sigterm_key(self.rank, os.getpid()), "1")
                     store.add(SIGTERMS_KEY, 1)
@@ -370,6 +375,21 @@ class JobStore:
                       "stops", self.rank, os.getpid(), error)
             logging.shutdown()  # flush before the hard exit
             os._exit(EXIT_SUPERVISOR_LOST)
+
+    def _stop_if_fenced(self, channel: ControlChannel) -> None:
+        """Exit (``EXIT_FENCED``) when the supervisor gave up on this process and replaced
+        it: cut off or frozen for a while, it must take no part in a newer generation."""
+        message = channel.read(fenced_key(self.rank, os.getpid()))
+        if message is None:
+            return
+        fence = json.loads(message)
+        if fence.get("host") not in (None, socket.gethostname()):
+            return  # another machine's process of the same rank and pid
+        log.error("rank %d (pid %d): the supervisor gave up on this process and replaced it "
+                  "in generation %s (its machine was cut off or stalled); it stops",
+                  self.rank, os.getpid(), fence.get("generation"))
+        logging.shutdown()
+        os._exit(EXIT_FENCED)
 
     def training_finished(self) -> None:
         """This worker's training loop ended: the supervisor times the job's training
@@ -425,6 +445,7 @@ class JobStore:
         ``world_size`` ranks are there."""
         arrived = f"gen{generation}/arrived"
         if generation not in self._arrived_at:
+            self._stop_if_fenced(self.channel)  # a fenced process never counts in
             self._arrived_at.add(generation)
             self.store.add(arrived, 1)
         for _ in range(20 if wait else 0):

@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -79,6 +80,7 @@ from lightning_moe_ckpt.failures.protocol import (
     TIMEOUT_KEY,
     ControlChannel,
     failed_key,
+    fenced_key,
     finished_key,
     heartbeat_key,
     hosted_store,
@@ -161,6 +163,7 @@ class Supervisor:
     # takes none; None when not known (a script of the user's).
     durable_dir: str | None = None
     replacements: list[Replacement] = field(default_factory=list)
+    _tasks: list[TaskProcess] = field(default_factory=list, repr=False)  # every one attached
     pids: dict[int, list[int]] = field(default_factory=dict)  # every process of each rank
     spare_pids: list[int] = field(default_factory=list)  # the warm spares started
     spare_node_pids: list[list[int]] = field(default_factory=list)  # each spare node's
@@ -208,12 +211,28 @@ class Supervisor:
         within ``preempt_grace_s`` (``EXIT_PREEMPTED``); those still running then are
         killed (``128 + SIGTERM``). A second SIGTERM stops the workers at once."""
         if threading.current_thread() is not threading.main_thread():
-            return self._supervise()  # signal handlers belong to the main thread
+            try:  # signal handlers belong to the main thread
+                return self._supervise()
+            finally:
+                self._name_unconfirmed()
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             return self._supervise()
         finally:
             signal.signal(signal.SIGTERM, previous)
+            self._name_unconfirmed()
+
+    def _name_unconfirmed(self) -> None:
+        """Say which of a launcher's tasks never reported their end: their machines did
+        not answer, so they may still run (each stops by itself once it reads that it was
+        fenced, or once it loses the store)."""
+        left = [f"task {t.task} (node {t.node}, pid {t.pid})" for t in self._tasks
+                if t.unconfirmed]
+        if left:
+            log.warning("supervisor: the job ends, but %s never reported its end (its "
+                        "machine did not answer): it may still run there; it stops by "
+                        "itself once it reaches the store (it is fenced) or loses it",
+                        ", ".join(left))
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         """The job is preempted (the supervisor's loop tells the workers); a second
@@ -362,6 +381,9 @@ class Supervisor:
                 for rank, cause in sorted(failed.items()):
                     log.warning("supervisor: rank %d (pid %d) failed: %s; opening generation "
                                 "%d", rank, workers[rank].pid, cause, generation)
+                for rank in failed:  # it may still run somewhere: fenced out
+                    channel.set(fenced_key(rank, workers[rank].pid), json.dumps(
+                        {"generation": generation, "host": _host_of(workers[rank])}))
                 channel.set(failed_key(generation), json.dumps(sorted(failed)))
                 rendezvous.append(self._open_rendezvous(store, generation))
                 channel.set(GENERATION_KEY, str(generation))
@@ -512,7 +534,9 @@ class Supervisor:
         deadline = time.monotonic() + self.startup_timeout_s
 
         def task(index: int) -> TaskProcess:
-            return TaskProcess(self._channel, index, max(0.0, deadline - time.monotonic()))
+            process = TaskProcess(self._channel, index, max(0.0, deadline - time.monotonic()))
+            self._tasks.append(process)
+            return process
 
         for rank in range(self.world_size):
             workers[rank] = task(rank)
@@ -762,3 +786,9 @@ def external_launcher(environ: Mapping[str, str] | None = None) -> str | None:
         if value.isdigit() and int(value) > 1:
             return f"{name} ({key}={value})"
     return None
+
+
+def _host_of(process: WorkerProcess) -> str:
+    """The host a worker process runs on (a launcher's task says; the others run here)."""
+    host = process.host if isinstance(process, TaskProcess) else None
+    return host or socket.gethostname()

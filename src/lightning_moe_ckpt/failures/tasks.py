@@ -171,7 +171,10 @@ class TaskProcess:
         info = _registration(channel, task, timeout_s)
         self.pid: int = info["pid"]
         self.node: int = info["node"]
+        self.host: str | None = info.get("host")
         self._code: int | None = None
+        # Its end was never reported (its machine did not answer): it may still run.
+        self.unconfirmed = False
 
     def poll(self) -> int | None:
         """Its exit code once its monitor reported it gone, else None."""
@@ -192,6 +195,7 @@ class TaskProcess:
         while self.poll() is None:
             if time.monotonic() > deadline:
                 self._code = KILLED
+                self.unconfirmed = True
                 break
             time.sleep(_MONITOR_POLL_S)
         assert self._code is not None
