@@ -170,7 +170,7 @@ def test_a_task_whose_monitor_is_gone_counts_as_killed_after_a_wait(
     """Its machine vanished with its monitor: nothing reports it gone, and a kill request
     goes unanswered; ``wait`` gives up and calls it killed."""
     monkeypatch.setattr("lightning_moe_ckpt.failures.tasks._WAIT_S", 0.5)
-    job_channel(store).set("task/9", '{"pid": 999999999, "node": 4, "host": "lost"}')
+    job_channel(store).set_record("task/9", {"pid": 999999999, "node": 4, "host": "lost"})
     process = TaskProcess(job_channel(store), 9)
     process.kill()
     assert process.poll() is None

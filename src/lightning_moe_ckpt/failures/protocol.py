@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
 import socket
 import time
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed import TCPStore
 
@@ -257,6 +259,29 @@ class ControlChannel:
                 raise TimeoutError(f"no message {key!r} from the job within {timeout_s:g} s")
             time.sleep(_POLL_S)
         return value
+
+    def set_record(self, key: str, record: dict[str, Any]) -> None:
+        """Write ``record`` under ``key`` as a JSON object whose ``"seal"`` field holds the
+        tag (the record stays plain JSON for a reader that does not check it)."""
+        body = json.dumps(record, sort_keys=True)
+        self.store.set(key, json.dumps({**record, "seal": self._tag(key, body.encode()).decode()}))
+
+    def read_record(self, key: str) -> dict[str, Any] | None:
+        """A record :meth:`set_record` wrote, when there and sealed (non-blocking)."""
+        if not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        try:
+            record = json.loads(raw)
+            seal = str(record.pop("seal")).encode()
+        except (ValueError, KeyError, AttributeError, TypeError):
+            record, seal = None, b""
+        if record is not None:
+            body = json.dumps(record, sort_keys=True).encode()
+            if hmac.compare_digest(seal, self._tag(key, body)):
+                return dict(record)
+        self._open(key, b"")  # logged as forged (once)
+        return None
 
     def _open(self, key: str, raw: bytes) -> str | None:
         tag, sep, data = raw.partition(b":")

@@ -23,7 +23,6 @@ local process would, so the supervisor's loop does not tell the two apart.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -103,8 +102,8 @@ def launcher_task(environ: Mapping[str, str] | None = None) -> LauncherTask | No
 
 def register(channel: ControlChannel, task: LauncherTask) -> None:
     """Announce this process as ``task`` (pid, node, host) to the supervisor."""
-    channel.set(task_key(task.task), json.dumps({"pid": os.getpid(), "node": task.node,
-                                                 "host": socket.gethostname()}))
+    channel.set_record(task_key(task.task), {"pid": os.getpid(), "node": task.node,
+                                              "host": socket.gethostname()})
 
 
 def watch_in_parent(address: str, task: int, secret: str) -> None:
@@ -206,7 +205,7 @@ def _registration(channel: ControlChannel, task: int,
                   timeout_s: float | None) -> dict[str, Any]:
     """Task ``task``'s registration, once it is there (see :class:`TaskProcess`)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while (registration := channel.read(task_key(task))) is None:
+    while (registration := channel.read_record(task_key(task))) is None:
         if channel.read(gone_key(task)) is not None:
             code = int(channel.read(exit_key(task)) or KILLED)
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
@@ -215,5 +214,4 @@ def _registration(channel: ControlChannel, task: int,
             raise TaskStartError(f"task {task} did not register within {timeout_s:g} s "
                                  "(--startup-timeout-s): was it started, with MOE_STORE set?")
         time.sleep(_MONITOR_POLL_S)
-    info: dict[str, Any] = json.loads(registration)
-    return info
+    return registration
