@@ -109,19 +109,27 @@ def test_a_shape_that_does_not_fit_the_tasks_is_refused() -> None:
         Supervisor(["python", "train.py"], 4, launcher_tasks=4)
 
 
-def test_tasks_not_placed_in_blocks_stop_the_job_naming_them(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """Two nodes of one rank, but both tasks report node 0 (as a cyclic distribution
-    of a bigger job would place them): the supervisor refuses and stops them."""
+def _supervise_two_tasks(startup_timeout_s: float
+                         ) -> tuple[int, threading.Thread, list[int]]:
+    """A supervisor of two launcher tasks (one per node) running in a thread: its store's
+    port, the thread, and the list its exit code lands in."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     supervisor = Supervisor((), 2, timeout_s=30, ranks_per_node=1, launcher_tasks=2,
-                            store_port=port, startup_timeout_s=60)
+                            store_port=port, startup_timeout_s=startup_timeout_s)
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(supervisor.run()))
     thread.start()
     time.sleep(0.5)  # the store is up
+    return port, thread, result
+
+
+def test_tasks_not_placed_in_blocks_stop_the_job_naming_them(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two nodes of one rank, but both tasks report node 0 (as a cyclic distribution
+    of a bigger job would place them): the supervisor refuses and stops them."""
+    port, thread, result = _supervise_two_tasks(startup_timeout_s=60)
     launched = [_start(port, task, -1, node=0) for task in range(2)]
     try:
         thread.join(timeout=120)
@@ -138,15 +146,7 @@ def test_a_task_killed_before_it_registers_stops_the_job_at_once_naming_it(
     """Task 1 is killed between its monitor's start and its registration: its monitor's
     report is seen at once (not at the 600 s startup timeout), the job stops, naming it,
     and task 0, which registered, is stopped too."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    supervisor = Supervisor((), 2, timeout_s=30, ranks_per_node=1, launcher_tasks=2,
-                            store_port=port, startup_timeout_s=600)
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(supervisor.run()))
-    thread.start()
-    time.sleep(0.5)  # the store is up
+    port, thread, result = _supervise_two_tasks(startup_timeout_s=600)
     launched = [_start(port, 0, -1, node=0), _start(port, 1, -2, node=1)]
     try:
         thread.join(timeout=120)
