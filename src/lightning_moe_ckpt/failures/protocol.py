@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -298,9 +299,21 @@ class ControlChannel:
 
 def hosted_store(host: str, port: int, timeout: timedelta) -> TCPStore:
     """A job store hosted by this process, listening on ``host``'s address alone (``port``
-    0: a free one): torch's ``TCPStore`` would listen on every interface."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM)[0]
+    0: a free one): torch's ``TCPStore`` would listen on every interface.
+
+    A name that resolves to loopback addresses only although it is no loopback name (a
+    host's own name mapped to 127.0.1.1 in ``/etc/hosts``, while other machines reach it
+    by another address) is served on every interface, with a warning: bound to loopback,
+    no other machine could reach the job."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    outside = [entry for entry in found if not ipaddress.ip_address(entry[4][0]).is_loopback]
+    family, kind, proto, _, address = (outside or found)[0]
+    if not outside and not _loopback_name(host):
+        log.warning("the job's store host %r resolves to %s here, a loopback address no "
+                    "other machine reaches: the store listens on every interface (give "
+                    "--host an address the nodes reach it at to listen there alone)",
+                    host, address[0])
+        address = ("::" if family == socket.AF_INET6 else "0.0.0.0", *address[1:])
     listener = socket.socket(family, kind, proto)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(address)
@@ -309,3 +322,13 @@ def hosted_store(host: str, port: int, timeout: timedelta) -> TCPStore:
     # The store serves on the descriptor from here on, for this process's life.
     return TCPStore(host, bound, is_master=True, wait_for_workers=False, timeout=timeout,
                     master_listen_fd=listener.detach())
+
+
+def _loopback_name(host: str) -> bool:
+    """Whether ``host`` names loopback itself (``localhost``, ``127.0.0.1``, ``::1``)."""
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
