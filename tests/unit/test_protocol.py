@@ -55,8 +55,9 @@ def test_the_store_listens_on_its_host_alone() -> None:
 
 def test_a_host_name_that_resolves_to_loopback_alone_is_served_everywhere(
         caplog: pytest.LogCaptureFixture) -> None:
-    """This machine's name mapped to 127.0.1.1 (as /etc/hosts often maps it): bound there, no other machine could reach
-    the store, so it listens on every interface and says so."""
+    """This machine's name mapped to 127.0.1.1 (as /etc/hosts often maps it): bound
+    there, no other machine could reach the store, so it listens on every interface and
+    says so."""
     loopback = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))]
     with mock.patch("socket.getaddrinfo", return_value=loopback):
         store = hosted_store(socket.gethostname(), 0, timedelta(seconds=10))
